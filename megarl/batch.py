@@ -1,0 +1,101 @@
+"""The currency between stages of the RL loop.
+
+``RolloutBatch`` is what generation produces: one row per sampled response (``n`` rows per prompt),
+prompts left-padded and responses right-padded so that ``cat(prompt, response)`` is one contiguous
+sequence per row. ``TrainBatch`` is the same rows plus everything the update needs (old/ref log-probs,
+values, rewards, advantages). Both are plain dataclasses of tensors and lists, so the controller can
+split them by data-parallel rank and concatenate results generically. Nothing here computes losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: torch.Tensor  # [B, P] int64, left-padded
+    prompt_mask: torch.Tensor  # [B, P] 1 on real prompt tokens
+    response_ids: torch.Tensor  # [B, R] int64, right-padded
+    response_mask: torch.Tensor  # [B, R] 1 on real response tokens (eos included)
+    group_ids: list[str]  # one id per prompt, repeated for its n responses (GRPO groups)
+    data_sources: list[str] = field(default_factory=list)
+    ground_truths: list[Any] = field(default_factory=list)
+    extra_infos: list[Any] = field(default_factory=list)
+    rollout_log_probs: Optional[torch.Tensor] = None  # [B, R] as computed by the rollout engine
+
+    def __len__(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """Positions count real tokens only, so left padding does not shift RoPE phases."""
+        return (self.attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)
+
+
+@dataclass
+class TrainBatch(RolloutBatch):
+    old_log_probs: Optional[torch.Tensor] = None  # [B, R] actor log-probs before the update
+    ref_log_probs: Optional[torch.Tensor] = None  # [B, R] frozen reference model
+    values: Optional[torch.Tensor] = None  # [B, R] critic values
+    token_level_scores: Optional[torch.Tensor] = None  # [B, R] reward-function scores
+    token_level_rewards: Optional[torch.Tensor] = None  # [B, R] scores minus in-reward KL
+    advantages: Optional[torch.Tensor] = None  # [B, R]
+    returns: Optional[torch.Tensor] = None  # [B, R]
+
+    @classmethod
+    def from_rollout(cls, rollout: RolloutBatch) -> "TrainBatch":
+        return cls(**{f.name: getattr(rollout, f.name) for f in dataclasses.fields(RolloutBatch)})
+
+
+def select_rows(batch, index: torch.Tensor | list[int] | slice):
+    """The same dataclass with only the chosen rows (tensors indexed on dim 0, lists picked)."""
+    if isinstance(index, slice):
+        rows = list(range(len(batch)))[index]
+    else:
+        rows = [int(i) for i in (index.tolist() if isinstance(index, torch.Tensor) else index)]
+    picked = {}
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, torch.Tensor):
+            picked[f.name] = value[torch.as_tensor(rows, dtype=torch.long)]
+        elif isinstance(value, list) and value:
+            picked[f.name] = [value[i] for i in rows]
+        else:
+            picked[f.name] = value
+    return type(batch)(**picked)
+
+
+def concat_batches(batches: list):
+    """Concatenate dataclass batches of one type row-wise (inverse of splitting)."""
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    kind = type(batches[0])
+    merged = {}
+    for f in dataclasses.fields(kind):
+        values = [getattr(b, f.name) for b in batches]
+        if all(v is None for v in values):
+            merged[f.name] = None
+        elif all(isinstance(v, torch.Tensor) for v in values):
+            merged[f.name] = torch.cat(values, dim=0)
+        elif all(isinstance(v, list) for v in values):
+            merged[f.name] = [x for v in values for x in v]
+        else:
+            raise TypeError(f"field {f.name!r} mixes None and values across batches; cannot concatenate")
+    return kind(**merged)

@@ -1,0 +1,214 @@
+"""Build a :class:`MegarlConfig` from YAML files and ``a.b.c=value`` command-line overrides.
+
+Every key is checked against the dataclass tree: unknown keys and values of the wrong type raise
+:class:`ConfigError` naming the full dotted key (with a close-match suggestion for typos). Override
+values are parsed as YAML scalars/lists (``n=8``, ``lr=1e-6``, ``logger=[console,jsonl]``,
+``x=null``). String values may refer to other keys as ``${trainer.project_name}``. Cross-field
+consistency is checked by :mod:`megarl.config.validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+import yaml
+
+from megarl.config.schema import MegarlConfig
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, mistyped or inconsistent; the message names the key."""
+
+
+_INTERPOLATION = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _strip_optional(tp) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str) -> Any:
+    inner, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: null is not allowed (expected {_type_name(inner)})")
+    if dataclasses.is_dataclass(inner):
+        if isinstance(value, inner):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {inner.__name__} fields, got {type(value).__name__}")
+        return _build(inner, value, key)
+    origin = typing.get_origin(inner)
+    if origin is list:
+        (item_tp,) = typing.get_args(inner) or (Any,)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value]  # `x=a` for a list field means a one-element list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if inner is Any:
+        return value
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {type(value).__name__} {value!r}")
+    if inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got {type(value).__name__} {value!r}")
+    if inner is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads `1e-6` as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a number, got {type(value).__name__} {value!r}")
+    if inner is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {tp}")
+
+
+def _unknown_key_error(cls, name: str, key: str) -> ConfigError:
+    known = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(known)}")
+
+
+def _build(cls, values: dict, prefix: str):
+    types_by_name = _field_types(cls)
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in types_by_name:
+            raise _unknown_key_error(cls, str(name), key)
+        kwargs[name] = _coerce(value, types_by_name[name], key)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form a.b.c=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: cannot parse value {raw!r}: {exc}") from exc
+    return key.split("."), value
+
+
+def _nest(parts: list[str], value: Any) -> dict:
+    for part in reversed(parts):
+        value = {part: value}
+    return value
+
+
+def load_yaml_mapping(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _lookup(tree: dict, dotted: str, origin_key: str):
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise ConfigError(f"{origin_key}: interpolation ${{{dotted}}} refers to an unknown key")
+        node = node[part]
+    return node
+
+
+def _resolve_interpolations(tree: dict) -> dict:
+    def resolve(node, key, depth=0):
+        if depth > 10:
+            raise ConfigError(f"{key}: interpolation cycle")
+        if isinstance(node, dict):
+            return {k: resolve(v, f"{key}.{k}" if key else k, depth) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v, f"{key}[{i}]", depth) for i, v in enumerate(node)]
+        if isinstance(node, str) and "${" in node:
+            whole = _INTERPOLATION.fullmatch(node)
+            if whole:
+                return resolve(_lookup(tree, whole.group(1), key), key, depth + 1)
+            return _INTERPOLATION.sub(lambda m: str(resolve(_lookup(tree, m.group(1), key), key, depth + 1)), node)
+        return node
+
+    return resolve(tree, "")
+
+
+def load_config(
+    path: Optional[str | Path] = None,
+    overrides: Iterable[str] = (),
+    *,
+    validate: bool = True,
+) -> MegarlConfig:
+    """Defaults <- YAML file (if given) <- overrides, then type-checked, interpolated and validated."""
+    tree = to_dict(MegarlConfig())
+    if path is not None:
+        file_values = load_yaml_mapping(path)
+        _build(MegarlConfig, file_values, "")  # report unknown keys/types against the file's own text
+        tree = _merge(tree, file_values)
+    for text in overrides:
+        parts, value = parse_override(text)
+        tree = _merge(tree, _nest(parts, value))
+    cfg = _build(MegarlConfig, _resolve_interpolations(tree), "")
+    if validate:
+        from megarl.config.validate import validate_config
+
+        validate_config(cfg)
+    return cfg
+
+
+def save_config(cfg: MegarlConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

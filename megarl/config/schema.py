@@ -1,0 +1,211 @@
+"""Typed configuration of a megarl run: nested dataclasses, every field with a default.
+
+The tree mirrors the roles of the RL loop (data, actor/rollout/reference, critic, reward, algorithm,
+trainer) the way verl users know it, so `actor_rollout_ref.rollout.n=8` means what they expect.
+Loading YAML and applying `a.b.c=value` overrides lives in :mod:`megarl.config.loader`; cross-field
+consistency checks in :mod:`megarl.config.validate`. Nothing here reads files or touches devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
+    val_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 32
+    max_response_length: int = 8
+    train_batch_size: int = 16  # prompts per step (each sampled rollout.n times)
+    val_batch_size: int = 64
+    shuffle: bool = True
+    seed: int = 1
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"  # error | left | right, for over-long prompts when not filtered
+    apply_chat_template: bool = True
+    synthetic_op: str = "copy"  # for embedded:digits
+    synthetic_num_digits: int = 1
+    synthetic_train_size: int = 2048
+    synthetic_val_size: int = 128
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded:tiny-qwen2"  # HF model dir, or embedded:<name>
+    tokenizer_path: Optional[str] = None  # defaults to path
+    layer_spec: str = "auto"  # auto | local | te
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | cosine | linear
+    lr_decay_steps: Optional[int] = None  # defaults to the run's total steps
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = True
+    params_dtype: str = "float32"  # float32 | bfloat16
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    recompute_granularity: Optional[str] = None  # None | selective | full
+    recompute_method: Optional[str] = None  # uniform | block
+    recompute_num_layers: Optional[int] = None
+    seed: int = 42
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n responses)
+    ppo_micro_batch_size_per_gpu: int = 8  # responses per forward/backward
+    ppo_epochs: int = 1
+    policy_loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # defaults to clip_ratio
+    clip_ratio_high: Optional[float] = None  # defaults to clip_ratio (DAPO clip-higher: e.g. 0.28)
+    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class SamplingOverrides:
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    do_sample: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # hf | vllm
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    tensor_model_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = False
+    free_cache_engine: bool = True  # sleep the engine between rollouts when colocated
+    dtype: str = "float32"
+    log_prob_micro_batch_size_per_gpu: int = 16
+    weight_sync_bucket_mb: int = 512
+    val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16
+    param_offload: bool = False
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None: on exactly when the advantage estimator needs values (gae)
+    model_path: Optional[str] = None  # defaults to the actor's model
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size_per_gpu: int = 8
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Optional[str] = None
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardConfig:
+    reward_manager: str = "naive"
+    on_error: str = "fail"  # fail | zero
+    custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+
+
+@dataclass
+class KLControlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | ... | remax | opo
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "megarl"
+    experiment_name: str = "grpo_tiny"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # defaults to epochs x batches per epoch
+    save_freq: int = -1  # steps between checkpoints; -1 = never
+    test_freq: int = -1  # steps between validations; -1 = never
+    val_before_train: bool = False
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    resume_mode: str = "auto"  # auto | disable | <checkpoint dir>
+    max_ckpt_to_keep: Optional[int] = 2
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
+    nnodes: int = 1
+    n_gpus_per_node: int = 1  # worker processes per node (CPU processes when device=cpu)
+    device: str = "auto"  # auto | cuda | cpu
+    placement: str = "colocate"  # colocate | separate
+    rollout_gpus: int = 0  # with placement=separate: how many of the processes serve rollout
+    ray_address: Optional[str] = None  # None: start a local cluster; "auto" or host:port to attach
+    worker_timeout_s: float = 600.0
+    seed: int = 1
+    progress_bar: bool = True
+
+
+@dataclass
+class MegarlConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

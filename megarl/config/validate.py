@@ -1,0 +1,168 @@
+"""Cross-field consistency checks for a :class:`MegarlConfig`, each naming the keys involved.
+
+Checks choices (estimator, loss, engine names...), that the batch sizes divide across mini-batches,
+data-parallel ranks and micro-batches, and that the algorithm has what it needs (gae needs a critic,
+GRPO-style estimators need several samples per prompt). It also fills derived defaults
+(clip_ratio_low/high, critic.enable). Hardware fit is the planner's job (:mod:`megarl.plan`).
+"""
+
+from __future__ import annotations
+
+from megarl.config.loader import ConfigError
+from megarl.config.schema import MegarlConfig, MegatronConfig
+
+# Kept in step with the registries in megarl.algorithms by tests/config/test_validate.py.
+ADVANTAGE_ESTIMATORS = (
+    "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
+)
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "opo")
+POLICY_LOSSES = ("ppo_clip", "dual_clip", "gspo")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def _choice(value, choices, key: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _positive(value, key: str) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+def world_size(cfg: MegarlConfig) -> int:
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def training_world_size(cfg: MegarlConfig) -> int:
+    """Processes running the Megatron engines (all of them when colocated)."""
+    if cfg.trainer.placement == "separate":
+        return world_size(cfg) - cfg.trainer.rollout_gpus
+    return world_size(cfg)
+
+
+def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int) -> int:
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "expert_model_parallel_size"):
+        _positive(getattr(m, name), f"{prefix}.{name}")
+    _choice(m.params_dtype, ("float32", "bfloat16"), f"{prefix}.params_dtype")
+    _choice(m.recompute_granularity, (None, "selective", "full"), f"{prefix}.recompute_granularity")
+    if m.virtual_pipeline_model_parallel_size is not None and m.pipeline_model_parallel_size < 2:
+        raise ConfigError(f"{prefix}.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+    if n_procs % model_parallel:
+        raise ConfigError(
+            f"{n_procs} training processes (trainer.nnodes x trainer.n_gpus_per_node) are not divisible by "
+            f"{prefix}.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
+            f"= {model_parallel}"
+        )
+    dp = n_procs // model_parallel
+    expert_tp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+    expert_group = m.expert_model_parallel_size * expert_tp
+    if (dp * m.tensor_model_parallel_size * m.context_parallel_size) % expert_group:
+        raise ConfigError(
+            f"{prefix}.expert_model_parallel_size x expert_tensor_parallel_size = {expert_group} must divide "
+            f"data x tensor x context parallel = {dp * m.tensor_model_parallel_size * m.context_parallel_size}"
+        )
+    if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+        raise ConfigError(f"{prefix}.sequence_parallel needs tensor_model_parallel_size > 1")
+    return dp
+
+
+def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int, dp: int) -> None:
+    _positive(mini, f"{prefix}.ppo_mini_batch_size")
+    _positive(micro, f"{prefix}.ppo_micro_batch_size_per_gpu")
+    if train_batch % mini:
+        raise ConfigError(
+            f"data.train_batch_size={train_batch} is not divisible by {prefix}.ppo_mini_batch_size={mini}"
+        )
+    responses = mini * n
+    if responses % dp:
+        raise ConfigError(
+            f"{prefix}.ppo_mini_batch_size x actor_rollout_ref.rollout.n = {responses} responses cannot be "
+            f"split over {dp} data-parallel ranks"
+        )
+    if (responses // dp) % micro:
+        raise ConfigError(
+            f"{responses // dp} responses per data-parallel rank per mini-batch are not divisible by "
+            f"{prefix}.ppo_micro_batch_size_per_gpu={micro}"
+        )
+
+
+def critic_enabled(cfg: MegarlConfig) -> bool:
+    return bool(cfg.critic.enable)
+
+
+def validate_config(cfg: MegarlConfig) -> MegarlConfig:
+    """Raise :class:`ConfigError` on the first inconsistency; fill derived defaults in place."""
+    alg, arr, t, data = cfg.algorithm, cfg.actor_rollout_ref, cfg.trainer, cfg.data
+    actor, rollout = arr.actor, arr.rollout
+
+    _choice(alg.adv_estimator, ADVANTAGE_ESTIMATORS, "algorithm.adv_estimator")
+    _choice(alg.kl_penalty, KL_TYPES, "algorithm.kl_penalty")
+    _choice(alg.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    _choice(actor.policy_loss, POLICY_LOSSES, "actor_rollout_ref.actor.policy_loss")
+    _choice(actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode")
+    _choice(actor.kl_loss_type, KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
+    _choice(cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode")
+    _choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
+    _choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
+    _choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
+    _choice(data.truncation, ("error", "left", "right"), "data.truncation")
+    _choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")
+    _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
+    _choice(t.placement, ("colocate", "separate"), "trainer.placement")
+    for i, name in enumerate(t.logger):
+        _choice(name, ("console", "tensorboard", "jsonl"), f"trainer.logger[{i}]")
+    for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+                "actor_rollout_ref.rollout.n", "trainer.nnodes", "trainer.n_gpus_per_node"):
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        _positive(node, key)
+    if rollout.temperature < 0:
+        raise ConfigError(f"actor_rollout_ref.rollout.temperature must be >= 0, got {rollout.temperature}")
+    if not 0 < rollout.top_p <= 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
+
+    if cfg.critic.enable is None:
+        cfg.critic.enable = alg.adv_estimator == "gae"
+    if alg.adv_estimator == "gae" and not cfg.critic.enable:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
+    if alg.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt and needs "
+            f"actor_rollout_ref.rollout.n >= 2, got {rollout.n}"
+        )
+    if actor.clip_ratio_low is None:
+        actor.clip_ratio_low = actor.clip_ratio
+    if actor.clip_ratio_high is None:
+        actor.clip_ratio_high = actor.clip_ratio
+    if actor.policy_loss == "dual_clip" and actor.clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 for dual-clip, got {actor.clip_ratio_c}")
+
+    if t.placement == "separate":
+        if not 0 < t.rollout_gpus < world_size(cfg):
+            raise ConfigError(
+                f"trainer.placement=separate needs 0 < trainer.rollout_gpus < {world_size(cfg)} processes, "
+                f"got {t.rollout_gpus}"
+            )
+    n_train = training_world_size(cfg)
+    dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train)
+    _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                   data.train_batch_size, rollout.n, dp)
+    if cfg.critic.enable:
+        critic_dp = _check_megatron(cfg.critic.megatron, "critic.megatron", n_train)
+        _check_batches("critic", cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,
+                       data.train_batch_size, rollout.n, critic_dp)
+    _positive(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    rollout_procs = t.rollout_gpus if t.placement == "separate" else n_train
+    if rollout_procs % rollout.tensor_model_parallel_size:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
+            f"the {rollout_procs} rollout processes"
+        )
+    if t.save_freq == 0 or t.test_freq == 0:
+        raise ConfigError("trainer.save_freq and trainer.test_freq must be positive or -1 (never)")
+    return cfg

@@ -1,0 +1,176 @@
+"""Let megatron-core run on CPU with the gloo backend (a debugging feature).
+
+megatron-core assumes CUDA in a handful of hard-coded places. On a machine without a GPU we redirect
+exactly those places, so the real Megatron engines (TP/PP/EP across 2-4 gloo processes) run on a
+laptop or in CI:
+
+* ``torch.cuda.current_device`` -> the CPU device (megatron allocates buffers on
+  ``device=torch.cuda.current_device()``);
+* the CUDA RNG state tracker in ``megatron.core.tensor_parallel.random`` -> a tracker over CPU
+  generator states (the model-parallel seeds still differ per TP rank, as on GPU);
+* the default causal mask (built with ``device="cuda"``) -> the same mask on CPU;
+* ``torch.cuda.synchronize`` -> no-op (there is no stream to wait for).
+
+Megatron's pipeline schedules, optimizers and gradient clipping also create small bookkeeping tensors
+with a literal ``device="cuda"`` and check ``param.type() == "torch.cuda.FloatTensor"``. Those are not
+patched globally; callers wrap such megatron calls in :func:`cuda_tensors_on_cpu` (a scoped
+``TorchFunctionMode`` that is a no-op unless CPU mode is on).
+
+On a machine where CUDA is available, :func:`enable_cpu_compat` changes nothing. It is idempotent, and
+:func:`applied_patches` says what it did. This module does not make CPU fast, nor does it cover fused
+kernels, Transformer Engine or CUDA graphs; use the local layer spec on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_APPLIED: list[str] = []
+
+
+def applied_patches() -> list[str]:
+    """Names of the redirections in force (empty on GPU machines or before enabling)."""
+    return list(_APPLIED)
+
+
+def is_cpu_mode() -> bool:
+    return bool(_APPLIED)
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG-state tracker, over the CPU default generator.
+
+    Megatron forks a named state (e.g. ``model-parallel-rng``) around dropout and sharded weight
+    initialisation so that TP ranks draw different numbers while DP replicas draw the same ones; the
+    same bookkeeping works with CPU generator states.
+    """
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._current_state_name = "default-rng"
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        outer_name = self._current_state_name
+        if outer_name != "default-rng":
+            self.states_[outer_name] = saved
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if outer_name != "default-rng":
+                saved = self.states_[outer_name]
+            torch.set_rng_state(saved)
+            self._current_state_name = outer_name
+
+
+class _CudaTensorsOnCpuMode(torch.overrides.TorchFunctionMode):
+    """Rewrites ``device="cuda"`` factory arguments to CPU, makes ``Tensor.cuda()`` the identity, and reports
+    CPU tensor types under their CUDA names (megatron's optimizers dispatch on ``param.type()``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def cuda_tensors_on_cpu():
+    """Context for megatron calls that hard-code CUDA tensors (schedules, optimizer step, clipping)."""
+    return _CudaTensorsOnCpuMode() if _APPLIED else contextlib.nullcontext()
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _patch_current_device() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+
+
+def _patch_synchronize() -> None:
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+
+def _patch_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, *args, **kwargs: torch.set_rng_state(new_state)
+    # A tracker created before enabling (by an earlier import) would hold CUDA states.
+    mcore_random.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_causal_mask() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils as transformer_utils
+
+    transformer_utils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+
+
+_PATCHES = (
+    ("torch.cuda.current_device->cpu", _patch_current_device),
+    ("torch.cuda.synchronize->noop", _patch_synchronize),
+    ("megatron.tensor_parallel.random->cpu_rng", _patch_rng_tracker),
+    ("megatron.default_causal_mask->cpu", _patch_causal_mask),
+)
+
+
+def enable_cpu_compat(force: bool = False) -> list[str]:
+    """Apply the CPU redirections unless CUDA is available (or ``force``). Returns applied names."""
+    if _APPLIED:
+        return applied_patches()
+    if torch.cuda.is_available() and not force:
+        return []
+    for name, apply in _PATCHES:
+        apply()
+        _APPLIED.append(name)
+    logger.info("megatron CPU compatibility enabled: %s", ", ".join(_APPLIED))
+    return applied_patches()

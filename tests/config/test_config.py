@@ -1,0 +1,87 @@
+"""Config loading: defaults, YAML, overrides, and errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, MegarlConfig, load_config, save_config
+from megarl.config.validate import ADVANTAGE_ESTIMATORS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_construct_and_validate():
+    cfg = load_config()
+    assert isinstance(cfg, MegarlConfig)
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == cfg.actor_rollout_ref.actor.clip_ratio
+    assert cfg.critic.enable is False  # grpo needs no critic
+    assert cfg.trainer.default_local_dir == "outputs/megarl/grpo_tiny"  # interpolated
+
+
+def test_overrides_are_typed(tmp_path):
+    cfg = load_config(overrides=[
+        "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=3e-6",
+        "trainer.logger=[console,jsonl]", "data.train_files=/a.parquet", "critic.model_path=null",
+        "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=null",
+    ])
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is True
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(3e-6)
+    assert cfg.trainer.logger == ["console", "jsonl"]
+    assert cfg.data.train_files == ["/a.parquet"]
+    save_config(cfg, tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml") == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.rollout.nn=2", r"unknown config key 'actor_rollout_ref.rollout.nn' \(did you mean 'n'\?\)"),
+    ("actor_rollout_ref.rollout.n=abc", r"actor_rollout_ref.rollout.n: expected an integer, got str 'abc'"),
+    ("trainer.progress_bar=3", r"trainer.progress_bar: expected true/false"),
+    ("data.max_prompt_length=null", r"data.max_prompt_length: null is not allowed"),
+    ("algorithm.adv_estimator=ppo", r"algorithm.adv_estimator='ppo' is not one of"),
+    ("algorithm.adv_estimator=gae critic.enable=false", None),
+    ("trainer.logger=[console,wandb]", r"trainer.logger\[1\]='wandb'"),
+    ("data.train_batch_size=10", r"data.train_batch_size=10 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=16"),
+    ("actor_rollout_ref.rollout.n=1", r"needs actor_rollout_ref.rollout.n >= 2"),
+    ("trainer.n_gpus_per_node=3", r"not divisible|cannot be split"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", r"not divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"),
+    ("trainer.experiment_name=${trainer.nope}", r"interpolation \$\{trainer.nope\} refers to an unknown key"),
+    ("nokey", r"not of the form a.b.c=value"),
+])
+def test_bad_settings_name_the_key(override, message):
+    overrides = override.split(" ")
+    if message is None:
+        message = r"algorithm.adv_estimator=gae needs a critic, but critic.enable=false"
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+
+
+def test_tensor_parallel_must_divide_world():
+    with pytest.raises(ConfigError, match="not divisible by actor_rollout_ref.actor.megatron.tensor_model_parallel_size"):
+        load_config(overrides=["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+
+
+def test_yaml_file_errors_name_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  total_epoch: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer.total_epoch' \(did you mean 'total_epochs'\?\)"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_estimator_choices_match_algorithm_registry():
+    registry = pytest.importorskip("megarl.algorithms.registry")
+    names = set(getattr(registry, "list_advantage_estimators", lambda: [])())
+    if names:
+        assert set(ADVANTAGE_ESTIMATORS) == names
+
+
+def test_every_shipped_recipe_validates():
+    recipes = sorted((REPO / "configs").glob("*.yaml"))
+    assert recipes, "configs/ ships recipes"
+    for recipe in recipes:
+        load_config(recipe)

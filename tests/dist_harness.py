@@ -1,0 +1,81 @@
+"""Run a function in N real processes joined by a gloo process group (for multi-rank CPU tests).
+
+``run_distributed(fn, world_size, *args)`` spawns fresh interpreters (``spawn`` start method, so no
+state leaks from pytest), sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, calls ``fn(rank, *args)`` in each
+and returns the per-rank return values (which must be picklable). A failure on any rank is re-raised in
+the test with that rank's traceback; a rank that hangs is killed after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, args, queue):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+    )
+    try:
+        result = fn(rank, *args)
+        # Tensors put on a multiprocessing queue travel as shared-memory handles that die with this
+        # process; serialise them to plain bytes instead.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException:  # report everything, including SystemExit from inside megatron
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world_size and not failures:
+            try:
+                rank, ok, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                crashed = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+                if crashed:
+                    codes = {r: procs[r].exitcode for r in crashed}
+                    failures.append(f"ranks died without reporting (rank: exit code): {codes}")
+                elif time.monotonic() > deadline:
+                    failures.append(f"timed out after {timeout_s}s; ranks still running: "
+                                    f"{[r for r in range(world_size) if r not in results]}")
+                continue
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                failures.append(f"--- rank {rank} failed ---\n{payload}")
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [results[r] for r in range(world_size)]
