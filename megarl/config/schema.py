@@ -14,6 +14,7 @@ from typing import Optional
 
 @dataclass
 class DataConfig:
+    # Local parquet files, or the generated demo task: embedded:digits[?op=copy&num_digits=2&n_train=..]
     train_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
     val_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
     prompt_key: str = "prompt"
@@ -26,10 +27,6 @@ class DataConfig:
     filter_overlong_prompts: bool = True
     truncation: str = "error"  # error | left | right, for over-long prompts when not filtered
     apply_chat_template: bool = True
-    synthetic_op: str = "copy"  # for embedded:digits
-    synthetic_num_digits: int = 1
-    synthetic_train_size: int = 2048
-    synthetic_val_size: int = 128
 
 
 @dataclass

@@ -1,0 +1,281 @@
+"""The worker classes the trainer drives: thin per-rank wrappers around the engines.
+
+``ActorRolloutRefWorker`` is the hybrid engine of one rank: the Megatron actor (and, when the algorithm
+needs it, a frozen reference copy) plus a rollout engine replica, sharing the rank's device. Weight sync
+is in-process (:class:`megarl.weight_sync.ColocatedTransport`). ``CriticWorker`` holds the value model.
+Both are plain classes (no Ray import) whose methods declare how the driver's arguments are split and
+results gathered (:mod:`megarl.controller.dispatch`). Generation is data parallel over every rank (each
+rank holds a whole rollout replica, rollout TP=1); training is split by Megatron's data-parallel rank.
+Leaves out: rollout TP>1 across ranks and separate (disaggregated) rollout placement.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megarl.batch import TrainBatch
+from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
+from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
+from megarl.controller.worker_env import init_torch_distributed
+from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LogProbs:
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def parallel_layout(m: MegatronConfig) -> ParallelLayout:
+    return ParallelLayout(
+        tensor_parallel=m.tensor_model_parallel_size, pipeline_parallel=m.pipeline_model_parallel_size,
+        virtual_pipeline_parallel=m.virtual_pipeline_model_parallel_size, context_parallel=m.context_parallel_size,
+        expert_parallel=m.expert_model_parallel_size, expert_tensor_parallel=m.expert_tensor_parallel_size,
+    )
+
+
+def megatron_optimizer_config(optim: OptimConfig, m: MegatronConfig):
+    from megatron.core.optimizer import OptimizerConfig
+
+    dtype = _DTYPES[m.params_dtype]
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=m.use_distributed_optimizer,
+    )
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int):
+    from megarl.engines.megatron.engine import LRScheduleConfig
+
+    decay = optim.lr_decay_steps or max(total_steps, optim.lr_warmup_steps + 1)
+    return LRScheduleConfig(warmup_steps=optim.lr_warmup_steps, decay_steps=decay,
+                            decay_style=optim.lr_decay_style, min_lr=optim.min_lr)
+
+
+def ddp_config(m: MegatronConfig):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         use_distributed_optimizer=m.use_distributed_optimizer)
+
+
+def transformer_overrides(m: MegatronConfig) -> dict:
+    overrides = {"sequence_parallel": m.sequence_parallel}
+    if m.recompute_granularity:
+        overrides.update(recompute_granularity=m.recompute_granularity)
+        if m.recompute_granularity == "full":
+            overrides.update(recompute_method=m.recompute_method or "uniform",
+                             recompute_num_layers=m.recompute_num_layers or 1)
+    return overrides
+
+
+class _MegatronRole:
+    """Distributed + megatron bring-up shared by the worker classes."""
+
+    def _bring_up(self, cfg: MegarlConfig, megatron: MegatronConfig, model_path: str) -> None:
+        from megarl.models.bridge import ModelBridge
+        from megarl.models.embedded import resolve_model_path
+
+        self.cfg = cfg
+        self.context = init_torch_distributed(timeout_s=cfg.trainer.worker_timeout_s)
+        self.layout = parallel_layout(megatron)
+        self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
+        self.model_path = str(resolve_model_path(model_path))
+        self.bridge = ModelBridge.from_hf_config(self.model_path, spec=cfg.actor_rollout_ref.model.layer_spec)
+        self.params_dtype = _DTYPES[megatron.params_dtype]
+        self.megatron = megatron
+
+    def _new_transformer_config(self):
+        return self.bridge.transformer_config(layout=self.layout, params_dtype=self.params_dtype,
+                                              **transformer_overrides(self.megatron))
+
+    def _provider(self, config):
+        def build(pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
+            return self.bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
+                                           vp_stage=vp_stage)
+        return build
+
+    def _load_hf(self, engine) -> None:
+        from megarl.models.hf_checkpoint import load_hf_weights
+
+        load_hf_weights([_unwrap(chunk) for chunk in engine.model], self.model_path, self.bridge)
+        if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
+            engine.optimizer.reload_model_params()
+
+    def get_dp_info(self) -> DPInfo:
+        return DPInfo(self.rank_info.dp_rank, self.rank_info.dp_size, self.rank_info.is_collect_rank)
+
+
+def _unwrap(module):
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+class ActorRolloutRefWorker(_MegatronRole):
+    def __init__(self, cfg: MegarlConfig, *, total_steps: int, with_reference: bool):
+        from megarl.engines.megatron.actor import ActorEngine, ReferenceEngine
+        from megarl.engines.rollout.base import build_rollout_engine
+
+        arr = cfg.actor_rollout_ref
+        self._bring_up(cfg, arr.actor.megatron, arr.model.path)
+        actor_config = self._new_transformer_config()
+        self.actor = ActorEngine(
+            model_provider=self._provider(actor_config), config=actor_config,
+            optimizer_config=megatron_optimizer_config(arr.actor.optim, arr.actor.megatron),
+            lr_schedule=lr_schedule(arr.actor.optim, total_steps), ddp_config=ddp_config(arr.actor.megatron),
+            micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu, temperature=arr.rollout.temperature or 1.0,
+        )
+        self._load_hf(self.actor)
+        self.reference = None
+        if with_reference:
+            ref_config = self._new_transformer_config()
+            self.reference = ReferenceEngine(
+                model_provider=self._provider(ref_config), config=ref_config,
+                micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                temperature=arr.rollout.temperature or 1.0,
+            )
+            self._load_hf(self.reference)
+        rollout = arr.rollout
+        engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
+        if rollout.name == "vllm":
+            engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                                 enforce_eager=rollout.enforce_eager,
+                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+        self.rollout = build_rollout_engine(rollout.name, self.model_path, **engine_kwargs)
+        self.rollout_dtype = _DTYPES[rollout.dtype]
+        self.bucket_bytes = rollout.weight_sync_bucket_mb * 2**20
+        self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
+
+    # ---------------------------------------------------------------- rollout
+    @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
+    def generate(self, prompt_token_ids: list[list[int]], sampling):
+        from dataclasses import replace
+
+        if not prompt_token_ids:
+            return []
+        if sampling.seed is not None:  # each rank a distinct, reproducible stream
+            sampling = replace(sampling, seed=sampling.seed * 7919 + self.rank_info.rank)
+        return self.rollout.generate(prompt_token_ids, sampling)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def sync_weights(self) -> dict:
+        from megarl.weight_sync import ColocatedTransport, sync_weights
+
+        num_experts = self.bridge.dims.num_experts
+        stats = sync_weights(
+            self.actor.model, self.bridge, ColocatedTransport(self.rollout), bucket_bytes=self.bucket_bytes,
+            dtype=self.rollout_dtype,
+            num_local_experts=num_experts // self.layout.expert_parallel if num_experts else None,
+        )
+        return stats.as_metrics()
+
+    # ---------------------------------------------------------------- training
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
+    def compute_log_probs(self, batch: TrainBatch):
+        mbs = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        log_probs, entropy = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+        return log_probs, entropy
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
+    def compute_ref_log_probs(self, batch: TrainBatch):
+        if self.reference is None:
+            raise RuntimeError("this actor worker was built without a reference model")
+        mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+        return log_probs
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
+    def update_actor(self, batch: TrainBatch) -> dict:
+        a = self.cfg.actor_rollout_ref.actor
+        n = self.cfg.actor_rollout_ref.rollout.n
+        mini_rows = a.ppo_mini_batch_size * n // self.rank_info.dp_size
+        return self.actor.update_policy(
+            batch, ppo_epochs=a.ppo_epochs, mini_batch_size=mini_rows, policy_loss_name=_policy_loss_name(a.policy_loss),
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c if a.policy_loss == "dual_clip" else None,
+            entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
+            norm_length=self.cfg.data.max_response_length,
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def save_checkpoint(self, root: str) -> str:
+        from megarl.engines.megatron.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.actor, root, step=0)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def load_checkpoint(self, root: str) -> int:
+        from megarl.engines.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.actor, root)
+
+
+class CriticWorker(_MegatronRole):
+    def __init__(self, cfg: MegarlConfig, *, total_steps: int):
+        from megarl.engines.megatron.critic import CriticEngine
+
+        c = cfg.critic
+        self._bring_up(cfg, c.megatron, c.model_path or cfg.actor_rollout_ref.model.path)
+        config = self._new_transformer_config()
+        self.critic = CriticEngine(
+            model_provider=self._provider(config), config=config,
+            optimizer_config=megatron_optimizer_config(c.optim, c.megatron),
+            lr_schedule=lr_schedule(c.optim, total_steps), ddp_config=ddp_config(c.megatron),
+            micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+        )
+        self._load_critic_trunk()
+
+    def _load_critic_trunk(self) -> None:
+        """The value model starts from the policy's transformer; its scalar head is freshly initialised."""
+        from megarl.models.hf_checkpoint import load_hf_weights
+
+        load_hf_weights([_unwrap(chunk) for chunk in self.critic.model], self.model_path, self.bridge,
+                        exclude_prefixes=("output_layer.",))
+        self.critic.optimizer.reload_model_params()
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
+    def compute_values(self, batch: TrainBatch):
+        return self.critic.compute_values(batch)
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
+    def update_critic(self, batch: TrainBatch) -> dict:
+        c = self.cfg.critic
+        mini_rows = c.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // self.rank_info.dp_size
+        return self.critic.update_critic(batch, ppo_epochs=c.ppo_epochs, mini_batch_size=mini_rows,
+                                         cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def save_checkpoint(self, root: str) -> str:
+        from megarl.engines.megatron.checkpoint import save_checkpoint
+
+        return save_checkpoint(self.critic, root, step=0)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def load_checkpoint(self, root: str) -> int:
+        from megarl.engines.megatron.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.critic, root)
+
+
+def _policy_loss_name(configured: str) -> str:
+    # Dual-clip is PPO-clip with a lower bound for negative advantages (clip_ratio_c).
+    return "ppo_clip" if configured == "dual_clip" else configured
+
+
+def worker_env_for(cfg: MegarlConfig) -> dict[str, str]:
+    """Environment every worker needs (threads: the CPU demo must not oversubscribe two cores)."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if cfg.trainer.device == "cpu":
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return env

@@ -1,0 +1,307 @@
+"""The RL loop, as the single controller runs it: prompts -> rollout -> rewards -> log-probs -> advantages
+-> critic/actor update -> weight sync, with validation, checkpoints and metrics around it.
+
+Everything heavy happens in the worker groups (Megatron engines, rollout engine); this file only decides
+what happens in which order and moves small batches between them. It simplifies on purpose: one
+synchronous step at a time (no rollout/train overlap), one actor worker group that also holds rollout
+and reference (the hybrid engine), an optional critic group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megarl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_in_reward, get_advantage_estimator
+from megarl.algorithms.masked import masked_mean
+from megarl.batch import RolloutBatch, TrainBatch
+from megarl.config.schema import MegarlConfig
+from megarl.data.dataset import collate_prompts
+from megarl.engines.rollout.base import SamplingConfig
+from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.metrics import MetricsLogger, timed
+from megarl.trainer.rollout_assembly import assemble_rollout_batch, score_rollout, unpadded_prompts
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+
+
+def needs_reference(cfg: MegarlConfig) -> bool:
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def build_kl_controller(cfg: MegarlConfig):
+    ctrl = cfg.algorithm.kl_ctrl
+    if ctrl.type == "adaptive":
+        return AdaptiveKLController(ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    return FixedKLController(ctrl.kl_coef)
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for index in range(parts):
+        stop = start + size + (1 if index < extra else 0)
+        out.append(items[start:stop])
+        start = stop
+    return out
+
+
+class RLTrainer:
+    def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, reward_manager, actor_group,
+                 critic_group=None, logger: MetricsLogger, checkpoints: CheckpointManager, total_steps: int):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.train_loader = train_loader
+        self.val_dataset = val_dataset
+        self.reward_manager = reward_manager
+        self.actor = actor_group
+        self.critic = critic_group
+        self.logger = logger
+        self.checkpoints = checkpoints
+        self.total_steps = total_steps
+        self.kl_ctrl = build_kl_controller(cfg)
+        self.state = TrainerState()
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict]:
+        self._maybe_resume()
+        t = self.cfg.trainer
+        if t.val_before_train and self.state.step == 0 and self.val_dataset is not None:
+            self.logger.log(self.validate(), step=0)
+        progress = _progress(t.progress_bar, self.total_steps, self.state.step)
+        while self.state.step < self.total_steps:
+            self.state.step += 1
+            step = self.state.step
+            metrics = self.train_step(step)
+            if self.val_dataset is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+                metrics.update(self.validate())
+            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                with timed("save_checkpoint", metrics):
+                    self.save_checkpoint()
+            self.logger.log(metrics, step=step)
+            self.history.append({"step": step, **metrics})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")
+        if progress is not None:
+            progress.close()
+        return self.history
+
+    def train_step(self, step: int) -> dict:
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        metrics: dict[str, float] = {}
+        with timed("step", metrics):
+            prompts = self.train_loader.next_batch()
+            with timed("gen", metrics):
+                rollout = self.generate(prompts, self.train_sampling(step))
+            batch = TrainBatch.from_rollout(rollout)
+            with timed("reward", metrics):
+                batch.token_level_scores, scores, reward_metrics = score_rollout(
+                    self.reward_manager, self.tokenizer, batch)
+            with timed("old_log_prob", metrics):
+                batch.old_log_probs, entropy = self.actor.call("compute_log_probs", batch)
+            if needs_reference(cfg):
+                with timed("ref", metrics):
+                    batch.ref_log_probs = self.actor.call("compute_ref_log_probs", batch)
+            if self.critic is not None:
+                with timed("values", metrics):
+                    batch.values = self.critic.call("compute_values", batch)
+            with timed("adv", metrics):
+                metrics.update(self.compute_advantages(batch, scores))
+            if self.critic is not None:
+                with timed("update_critic", metrics):
+                    metrics.update({f"critic/{k}": v for k, v in self.critic.call("update_critic", batch).items()})
+            with timed("update_actor", metrics):
+                metrics.update({f"actor/{k}": v for k, v in self.actor.call("update_actor", batch).items()})
+            with timed("weight_sync", metrics):
+                metrics.update(self.actor.call("sync_weights"))
+        metrics.update(reward_metrics)
+        metrics.update(batch_metrics(batch, scores, entropy))
+        tokens = float(batch.attention_mask.sum())
+        metrics["perf/tokens"] = tokens
+        metrics["perf/tokens_per_s"] = tokens / max(metrics["timing_s/step"], 1e-9)
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def train_sampling(self, step: int) -> SamplingConfig:
+        r = self.cfg.actor_rollout_ref.rollout
+        return SamplingConfig(
+            n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+            max_tokens=self.cfg.data.max_response_length, stop=tuple(r.stop),
+            seed=self.cfg.trainer.seed * 1_000_003 + step,  # per step, so a resumed run samples the same
+        )
+
+    def val_sampling(self) -> SamplingConfig:
+        v = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        temperature = v.temperature if v.do_sample else 0.0
+        return SamplingConfig(n=v.n, temperature=temperature, top_p=v.top_p if v.do_sample else 1.0,
+                              max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed)
+
+    def generate(self, prompts, sampling: SamplingConfig) -> RolloutBatch:
+        prompt_ids = unpadded_prompts(prompts.input_ids, prompts.attention_mask)
+        world = self.actor.world_size
+        chunks = split_evenly(list(range(len(prompt_ids))), world)
+        per_rank = [[prompt_ids[i] for i in chunk] for chunk in chunks]
+        outputs_per_rank = self.actor.call("generate", per_rank, [sampling] * world)
+        responses, prompt_index, log_probs = [], [], []
+        for chunk, outputs in zip(chunks, outputs_per_rank):
+            for out in outputs:
+                responses.append(out.token_ids)
+                prompt_index.append(chunk[out.prompt_index])
+                log_probs.append(out.log_probs)
+        have_log_probs = all(lp is not None for lp in log_probs)
+        return assemble_rollout_batch(
+            prompts=prompt_ids, responses=responses, prompt_index=prompt_index,
+            group_ids=[f"p{index}" for index in prompts.indices],
+            max_prompt_length=self.cfg.data.max_prompt_length, max_response_length=self.cfg.data.max_response_length,
+            pad_token_id=self.tokenizer.pad_token_id, data_sources=prompts.data_sources,
+            ground_truths=prompts.ground_truths, extra_infos=prompts.extra_infos,
+            rollout_log_probs=log_probs if have_log_probs else None,
+        )
+
+    def compute_advantages(self, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        metrics: dict[str, float] = {}
+        if alg.use_kl_in_reward:
+            batch.token_level_rewards, kl_metrics = apply_kl_in_reward(
+                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask.float(),
+                self.kl_ctrl, kind=alg.kl_penalty)
+            metrics.update(kl_metrics)
+        else:
+            batch.token_level_rewards = batch.token_level_scores
+        baseline = None
+        if alg.adv_estimator == "remax":
+            baseline = self.greedy_baseline_scores(batch)
+        estimator = get_advantage_estimator(alg.adv_estimator)
+        batch.advantages, batch.returns = estimator(
+            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask.float(),
+            group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
+            norm_by_std=alg.norm_adv_by_std_in_grpo, baseline_scores=baseline,
+        )
+        return metrics
+
+    def greedy_baseline_scores(self, batch: TrainBatch) -> torch.Tensor:
+        """ReMax: the reward of the greedy response to the same prompt, per row."""
+        first_rows: dict[str, int] = {}
+        for row, gid in enumerate(batch.group_ids):
+            first_rows.setdefault(gid, row)
+        rows = list(first_rows.values())
+        prompts = [batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist() for r in rows]
+        chunks = split_evenly(list(range(len(prompts))), self.actor.world_size)
+        greedy = SamplingConfig.greedy(max_tokens=self.cfg.data.max_response_length)
+        outputs = self.actor.call("generate", [[prompts[i] for i in c] for c in chunks], [greedy] * len(chunks))
+        responses = [o.token_ids for outs in outputs for o in outs]
+        greedy_batch = assemble_rollout_batch(
+            prompts=prompts, responses=responses, prompt_index=list(range(len(prompts))),
+            group_ids=[batch.group_ids[r] for r in rows], max_prompt_length=batch.prompt_ids.shape[1],
+            max_response_length=batch.response_ids.shape[1], pad_token_id=self.tokenizer.pad_token_id,
+            data_sources=[batch.data_sources[r] for r in rows], ground_truths=[batch.ground_truths[r] for r in rows],
+            extra_infos=[batch.extra_infos[r] for r in rows])
+        _, greedy_scores, _ = score_rollout(self.reward_manager, self.tokenizer, greedy_batch)
+        by_group = dict(zip(greedy_batch.group_ids, greedy_scores.tolist()))
+        return torch.tensor([by_group[g] for g in batch.group_ids], dtype=torch.float32)
+
+    def validate(self) -> dict[str, float]:
+        """Greedy (by default) responses on the whole validation set; mean score overall and per source."""
+        start = time.perf_counter()
+        totals: dict[str, list[float]] = {}
+        for prompts in iter_in_order(self.val_dataset, self.cfg.data.val_batch_size, self.tokenizer.pad_token_id):
+            rollout = self.generate(prompts, self.val_sampling())
+            _, scores, _ = score_rollout(self.reward_manager, self.tokenizer, rollout)
+            for source, score in zip(rollout.data_sources, scores.tolist()):
+                totals.setdefault(source, []).append(score)
+        every = [s for values in totals.values() for s in values]
+        metrics = {"val/score/mean": sum(every) / max(len(every), 1)}
+        for source, values in totals.items():
+            metrics[f"val/{source}/score/mean"] = sum(values) / len(values)
+        metrics["timing_s/validate"] = time.perf_counter() - start
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        step = self.state.step
+        staging = self.checkpoints.begin(step)
+        self.actor.call("save_checkpoint", str(staging / "actor"))
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", str(staging / "critic"))
+        self.checkpoints.commit(step, staging, {
+            "step": step, "train_loader": self.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+        })
+
+    def _maybe_resume(self) -> None:
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
+            return
+        if mode == "auto":
+            step = self.checkpoints.latest_step()
+            if step is None:
+                return
+            root = self.checkpoints.step_dir(step)
+        else:
+            root = Path(mode)
+        state = _read_state(root)
+        self.actor.call("load_checkpoint", str(root / "actor"))
+        if self.critic is not None:
+            self.critic.call("load_checkpoint", str(root / "critic"))
+        self.train_loader.load_state_dict(state["train_loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.state.step = state["step"]
+        self.actor.call("sync_weights")  # the rollout engine must serve the restored policy
+        print(f"resumed from {root} at step {self.state.step}", flush=True)
+
+
+def iter_in_order(dataset, batch_size: int, pad_token_id: int):
+    """Every item of ``dataset`` once, in order, in batches (the last may be short): for validation."""
+    for start in range(0, len(dataset), batch_size):
+        items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        yield collate_prompts(items, pad_token_id=pad_token_id)
+
+
+def _read_state(root: Path) -> dict:
+    path = root / "trainer_state.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"trainer.resume_mode={root}: {path} not found (not a finished checkpoint)")
+    return json.loads(path.read_text())
+
+
+def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict[str, float]:
+    mask = batch.response_mask.float()
+    lengths = mask.sum(dim=1)
+    max_len = batch.response_ids.shape[1]
+    metrics = {
+        "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
+        "critic/score/min": float(scores.min()),
+        "critic/rewards/mean": float(batch.token_level_rewards.sum(dim=1).mean()),
+        "critic/advantages/mean": float(masked_mean(batch.advantages, mask)),
+        "critic/advantages/max": float(batch.advantages[mask.bool()].max()),
+        "critic/advantages/min": float(batch.advantages[mask.bool()].min()),
+        "critic/returns/mean": float(masked_mean(batch.returns, mask)),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= max_len).float().mean()),
+        "prompt_length/mean": float(batch.prompt_mask.float().sum(dim=1).mean()),
+    }
+    if entropy is not None:
+        metrics["actor/rollout_entropy"] = float(masked_mean(entropy, mask))
+    if batch.values is not None:
+        metrics["critic/values/mean"] = float(masked_mean(batch.values, mask))
+    if batch.ref_log_probs is not None:
+        metrics["actor/ref_kl"] = float(masked_mean(batch.old_log_probs - batch.ref_log_probs, mask))
+    return {k: v for k, v in metrics.items() if not math.isnan(v)}
+
+
+def _progress(enabled: bool, total: int, initial: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)

@@ -1,0 +1,143 @@
+"""Entry point of the main job: ``python -m megarl.trainer.main --config configs/grpo_tiny.yaml [a.b.c=value ...]``.
+
+Builds everything the loop needs from a :class:`MegarlConfig` — tokenizer, datasets, reward manager, a
+Ray cluster (local, or attached with ``trainer.ray_address``), the resource pool and worker groups,
+loggers and the checkpoint manager — then runs :class:`megarl.trainer.loop.RLTrainer`. ``run(cfg)`` is
+the programmatic form (used by ``launch/multinode.py`` and the end-to-end tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from megarl.config import MegarlConfig, load_config, save_config
+from megarl.trainer.loop import RLTrainer, needs_reference
+
+
+def resolve_device(cfg: MegarlConfig) -> str:
+    if cfg.trainer.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but this driver sees no CUDA device (use trainer.device=cpu)")
+    return cfg.trainer.device
+
+
+def build_data(cfg: MegarlConfig, tokenizer):
+    from megarl.data.dataset import RLDataset
+    from megarl.data.sampler import PromptLoader
+    from megarl.data.synthetic import resolve_data_files
+
+    d = cfg.data
+
+    def dataset(files, split):
+        return RLDataset(resolve_data_files(files, split=split), tokenizer, prompt_key=d.prompt_key,
+                         max_prompt_length=d.max_prompt_length, filter_overlong_prompts=d.filter_overlong_prompts,
+                         truncation=d.truncation, apply_chat_template=d.apply_chat_template)
+
+    train = dataset(d.train_files, "train")
+    loader = PromptLoader(train, d.train_batch_size, seed=d.seed, pad_token_id=tokenizer.pad_token_id,
+                          shuffle=d.shuffle)
+    val = dataset(d.val_files, "val") if d.val_files else None
+    return loader, val
+
+
+def build_reward_manager(cfg: MegarlConfig):
+    from megarl.rewards import RewardManager, load_custom_reward_fn
+
+    custom = cfg.reward_model.custom_function
+    custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    return RewardManager(custom_fn=custom_fn, on_error=cfg.reward_model.on_error)
+
+
+def run(cfg: MegarlConfig) -> list[dict]:
+    """Train to the end of ``cfg``; returns the per-step metric history."""
+    from transformers import AutoTokenizer
+
+    from megarl.controller.ray_cluster import init_ray, shutdown_ray
+    from megarl.controller.resource_pool import ResourcePool
+    from megarl.controller.worker_group import WorkerGroup
+    from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker, worker_env_for
+    from megarl.models.embedded import resolve_model_path
+    from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.trainer.metrics import MetricsLogger
+
+    t = cfg.trainer
+    device = resolve_device(cfg)
+    if t.placement == "separate":
+        raise NotImplementedError("trainer.placement=separate is not implemented yet; use colocate")
+    model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
+    train_loader, val_dataset = build_data(cfg, tokenizer)
+    total_steps = t.total_training_steps or len(train_loader) * t.total_epochs
+    reward_manager = build_reward_manager(cfg)
+    out_dir = Path(t.default_local_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
+
+    started_ray = False
+    import ray
+
+    if not ray.is_initialized():
+        init_ray(t.ray_address, num_cpus=None if t.ray_address else max(4, t.n_gpus_per_node * 2),
+                 extra_env=worker_env_for(cfg))
+        started_ray = True
+    groups = []
+    logger = MetricsLogger(t.logger, out_dir)
+    try:
+        processes = [t.n_gpus_per_node] * t.nnodes
+        pool = ResourcePool("colocated", processes, device=device,
+                            cpus_per_process=1.0 if device == "cuda" else 0.5)
+        with_critic = bool(cfg.critic.enable)
+        share = 0.5 if with_critic else 1.0
+        timeout = t.worker_timeout_s
+        actor = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
+                            init_kwargs=dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg)),
+                            env=worker_env_for(cfg), call_timeout_s=timeout, init_timeout_s=timeout)
+        groups.append(actor)
+        critic = None
+        if with_critic:
+            critic = WorkerGroup(pool, CriticWorker, name_prefix="critic", bundle_share=share,
+                                 init_kwargs=dict(cfg=cfg, total_steps=total_steps), env=worker_env_for(cfg),
+                                 call_timeout_s=timeout, init_timeout_s=timeout)
+            groups.append(critic)
+        trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
+                            reward_manager=reward_manager, actor_group=actor, critic_group=critic, logger=logger,
+                            checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
+                            total_steps=total_steps)
+        return trainer.fit()
+    finally:
+        logger.close()
+        for group in groups:
+            group.shutdown()
+        if started_ray:
+            shutdown_ray()
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:
+    parser = argparse.ArgumentParser(prog="python -m megarl.trainer.main", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML recipe (see configs/); defaults apply without one")
+    parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
+    args = parser.parse_args(argv)
+    return args.config, args.overrides
+
+
+def cli(argv: Optional[Sequence[str]] = None) -> int:
+    from megarl.config import ConfigError
+
+    config_path, overrides = parse_args(argv)
+    try:
+        cfg = load_config(config_path, overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,83 @@
+"""Where training metrics go: console, TensorBoard event files, and a JSONL file (one line per step).
+
+``MetricsLogger.log(metrics, step)`` fans a flat ``{"group/name": float}`` dict out to every backend
+asked for. It also holds the per-stage timer used by the loop. It does not compute metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+CONSOLE_KEYS = (
+    "critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
+    "actor/pg_clipfrac", "response_length/mean", "perf/tokens_per_s", "timing_s/step",
+)
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    return float(value)
+
+
+class MetricsLogger:
+    def __init__(self, backends: Iterable[str], log_dir: str | Path, *, stream=None):
+        self.backends = list(backends)
+        self.log_dir = Path(log_dir)
+        self.stream = stream or sys.stdout
+        self._tb = None
+        self._jsonl = None
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"))
+        if "jsonl" in self.backends:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.log_dir / "metrics.jsonl"
+
+    def log(self, metrics: dict, step: int) -> None:
+        flat = {k: _plain(v) for k, v in metrics.items()}
+        if self._tb is not None:
+            for key, value in flat.items():
+                if math.isfinite(value):
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **flat}) + "\n")
+        if "console" in self.backends:
+            shown = [f"{k.split('/', 1)[-1] if k.startswith('timing') else k}={flat[k]:.4g}"
+                     for k in CONSOLE_KEYS if k in flat]
+            print(f"step {step}: " + "  ".join(shown), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+@contextlib.contextmanager
+def timed(name: str, into: dict) -> Iterator[None]:
+    """Add the wall time of the block to ``into["timing_s/<name>"]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing_s/{name}"
+        into[key] = into.get(key, 0.0) + time.perf_counter() - start
+
+
+def read_jsonl_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

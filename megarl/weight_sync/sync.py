@@ -1,0 +1,32 @@
+"""One weight sync: gather HF tensors from the Megatron shards, bucket them, push them through a transport.
+
+``sync_weights`` is called on every rank of the training world at the same time (the gather is
+collective). Ranks that hold a rollout engine pass a transport into it; the others pass
+:class:`DiscardTransport`. The returned :class:`SyncStats` (bytes, buckets, largest bucket, seconds,
+GB/s) is the headline cost metric of the hybrid engine.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.weight_sync.buckets import SyncStats, bucketize
+from megarl.weight_sync.gather import iter_hf_tensors
+from megarl.weight_sync.transport import WeightTransport
+
+
+def sync_weights(
+    model_chunks: list[torch.nn.Module], bridge, transport: WeightTransport, *, bucket_bytes: int,
+    dtype: Optional[torch.dtype] = None, num_local_experts: Optional[int] = None,
+) -> SyncStats:
+    stats = SyncStats()
+    with torch.no_grad():
+        tensors = iter_hf_tensors(model_chunks, bridge, num_local_experts=num_local_experts, dtype=dtype)
+        for bucket in bucketize(tensors, bucket_bytes):
+            stats.record(bucket)
+            transport.send(bucket)
+            del bucket
+    transport.finish()
+    return stats.finish()

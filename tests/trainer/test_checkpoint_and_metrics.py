@@ -1,0 +1,64 @@
+"""Checkpoint directory protocol and metric backends (real TensorBoard event files)."""
+
+import io
+import json
+
+import pytest
+
+from megarl.trainer.checkpoint import MARKER, CheckpointManager
+from megarl.trainer.metrics import MetricsLogger, read_jsonl_metrics, timed
+
+
+def test_interrupted_save_is_never_latest(tmp_path):
+    manager = CheckpointManager(tmp_path, max_to_keep=2)
+    staging = manager.begin(10)
+    (staging / "actor").mkdir()
+    manager.commit(10, staging, {"step": 10})
+    assert manager.latest_step() == 10
+
+    # A save of step 20 that dies after the engines wrote their parts but before commit.
+    crashed = manager.begin(20)
+    (crashed / "actor").mkdir()
+    assert manager.latest_step() == 10
+    assert manager.finished_steps() == [10]
+
+    # The next save of the same step starts clean and then becomes latest.
+    staging = manager.begin(20)
+    assert not (staging / "actor").exists()
+    manager.commit(20, staging, {"step": 20})
+    manager.commit(30, manager.begin(30), {"step": 30})
+    assert manager.latest_step() == 30
+    assert manager.finished_steps() == [20, 30]  # pruned to max_to_keep
+    assert manager.load_trainer_state(30) == {"step": 30}
+
+
+def test_marker_pointing_at_missing_checkpoint_is_an_error(tmp_path):
+    (tmp_path / MARKER).write_text("7")
+    with pytest.raises(FileNotFoundError, match="names step 7"):
+        CheckpointManager(tmp_path).latest_step()
+    (tmp_path / MARKER).write_text("garbage")
+    with pytest.raises(ValueError, match="expected a step number"):
+        CheckpointManager(tmp_path).latest_step()
+
+
+def test_metrics_reach_console_jsonl_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    console = io.StringIO()
+    logger = MetricsLogger(["console", "tensorboard", "jsonl"], tmp_path, stream=console)
+    for step in (1, 2):
+        metrics = {"critic/score/mean": 0.25 * step, "actor/entropy": 1.5}
+        with timed("step", metrics):
+            pass
+        logger.log(metrics, step)
+    logger.close()
+
+    assert "critic/score/mean=0.5" in console.getvalue()
+    rows = read_jsonl_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["critic/score/mean"] == 0.5
+    assert rows[0]["timing_s/step"] >= 0
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("critic/score/mean")
+    assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.5)]
+    json.dumps(rows)  # plain floats only
