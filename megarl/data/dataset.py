@@ -1,0 +1,256 @@
+"""Parquet prompt datasets for RL: read, validate, apply the chat template, tokenize, filter overlong prompts.
+
+Columns (one row per prompt):
+
+    prompt        list of chat messages {role, content} (a plain string when apply_chat_template=False)
+    reward_model  struct with `ground_truth` (required) and optional `style`
+    data_source   optional str, selects the reward function
+    extra_info    optional struct, map or JSON string; passed through to the reward function
+
+`RLDataset` tokenizes everything up front so overlong prompts are found (and reported) before training starts.
+`collate_prompts` left-pads a list of items into tensors. Sampling order and resume live in `sampler.py`.
+
+Left out: multimodal prompts, lazy/streaming reading of datasets larger than memory, tool schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow.parquet as pq
+import torch
+
+REQUIRED_COLUMNS = ("reward_model",)
+TRUNCATION_MODES = ("error", "left", "right")
+DEFAULT_DATA_SOURCE = "unknown"
+_REPORTED_ROWS = 5  # rows named in the overlong-prompt warning; the full list is on the dataset
+
+
+@dataclass
+class PromptItem:
+    """One tokenized prompt. `index` is its position in the dataset (what the sampler draws)."""
+
+    input_ids: list[int]
+    raw_prompt: Any  # the chat messages (list of {role, content}) or the raw string
+    ground_truth: Any
+    data_source: str
+    extra_info: dict[str, Any]
+    index: int
+    reward_style: str | None = None
+    source_file: str = ""
+    source_row: int = -1
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompt ids plus the per-prompt fields the reward side needs, in the same order."""
+
+    input_ids: torch.Tensor  # [B, L] long, left padded with pad_token_id
+    attention_mask: torch.Tensor  # [B, L] long, 1 on real tokens
+    position_ids: torch.Tensor  # [B, L] long, 0 at each prompt's first real token (0 on padding too)
+    raw_prompts: list[Any]
+    ground_truths: list[Any]
+    data_sources: list[str]
+    extra_infos: list[dict[str, Any]]
+    indices: list[int]
+    reward_styles: list[str | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class RLDataset:
+    """Prompts from one or more parquet files, tokenized with `tokenizer` (a transformers tokenizer)."""
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int,
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        apply_chat_template: bool = True,
+        default_data_source: str = DEFAULT_DATA_SOURCE,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        self.files = [Path(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
+        if not self.files:
+            raise ValueError("RLDataset needs at least one parquet file")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.truncation = truncation
+        self.apply_chat_template = apply_chat_template
+        self.default_data_source = default_data_source
+        self.items: list[PromptItem] = []
+        self.filtered_rows: list[tuple[str, int, int]] = []  # (file, row, token length) of each dropped prompt
+        for path in self.files:
+            self._load_file(path)
+        if not self.items:
+            raise ValueError(
+                f"no prompts left in {[str(f) for f in self.files]}: all {self.num_filtered} rows are longer than "
+                f"max_prompt_length={max_prompt_length} tokens"
+            )
+
+    @property
+    def num_filtered(self) -> int:
+        return len(self.filtered_rows)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> PromptItem:
+        return self.items[index]
+
+    def _load_file(self, path: Path) -> None:
+        if not path.is_file():
+            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+        try:
+            table = pq.read_table(path)
+        except Exception as err:  # pyarrow raises several types for a non-parquet file
+            raise ValueError(f"cannot read {str(path)!r} as parquet: {err}") from err
+        present = table.column_names
+        for column in (self.prompt_key, *REQUIRED_COLUMNS):
+            if column not in present:
+                raise ValueError(f"{path}: missing column {column!r} (columns present: {present})")
+        prompts = table.column(self.prompt_key).to_pylist()
+        reward_models = table.column("reward_model").to_pylist()
+        sources = table.column("data_source").to_pylist() if "data_source" in present else [None] * len(prompts)
+        extras = table.column("extra_info").to_pylist() if "extra_info" in present else [None] * len(prompts)
+        file_filtered: list[int] = []
+        for row, (prompt, reward_model, source, extra) in enumerate(zip(prompts, reward_models, sources, extras)):
+            where = f"{path} row {row}"
+            ground_truth, style = _read_reward_model(reward_model, where)
+            input_ids = self._tokenize(prompt, where)
+            if len(input_ids) > self.max_prompt_length:
+                if self.filter_overlong_prompts:
+                    self.filtered_rows.append((str(path), row, len(input_ids)))
+                    file_filtered.append(row)
+                    continue
+                input_ids = self._truncate(input_ids, where)
+            self.items.append(
+                PromptItem(
+                    input_ids=input_ids,
+                    raw_prompt=prompt,
+                    ground_truth=ground_truth,
+                    data_source=source if source is not None else self.default_data_source,
+                    extra_info=_read_extra_info(extra, where),
+                    index=len(self.items),
+                    reward_style=style,
+                    source_file=str(path),
+                    source_row=row,
+                )
+            )
+        if file_filtered:
+            shown = file_filtered[:_REPORTED_ROWS]
+            more = f" and {len(file_filtered) - len(shown)} more" if len(file_filtered) > len(shown) else ""
+            warnings.warn(
+                f"{path}: filtered {len(file_filtered)} of {len(prompts)} prompts longer than "
+                f"max_prompt_length={self.max_prompt_length} tokens (rows {shown}{more})",
+                stacklevel=3,
+            )
+
+    def _tokenize(self, prompt: Any, where: str) -> list[int]:
+        if self.apply_chat_template:
+            messages = _check_messages(prompt, self.prompt_key, where)
+            # Render to text, then tokenize without extra special tokens: the template already placed them,
+            # and tokenize=True returns different types across transformers versions.
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        else:
+            if not isinstance(prompt, str):
+                raise ValueError(
+                    f"{where}: column {self.prompt_key!r} must be a string when apply_chat_template=False, "
+                    f"got {type(prompt).__name__}"
+                )
+            text = prompt
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _truncate(self, input_ids: list[int], where: str) -> list[int]:
+        if self.truncation == "error":
+            raise ValueError(
+                f"{where}: prompt has {len(input_ids)} tokens > max_prompt_length={self.max_prompt_length} "
+                f"(set filter_overlong_prompts or truncation='left'/'right')"
+            )
+        if self.truncation == "left":
+            return input_ids[-self.max_prompt_length:]
+        return input_ids[: self.max_prompt_length]
+
+
+def collate_prompts(items: Sequence[PromptItem], *, pad_token_id: int) -> PromptBatch:
+    """Left-pad items to the longest prompt (so generation appends on the right for every row)."""
+    if not items:
+        raise ValueError("cannot collate an empty list of prompts")
+    longest = max(len(item.input_ids) for item in items)
+    input_ids = torch.full((len(items), longest), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), longest), dtype=torch.long)
+    for i, item in enumerate(items):
+        n = len(item.input_ids)
+        if n == 0:
+            raise ValueError(f"prompt at dataset index {item.index} has no tokens")
+        input_ids[i, longest - n:] = torch.tensor(item.input_ids, dtype=torch.long)
+        attention_mask[i, longest - n:] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return PromptBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        raw_prompts=[item.raw_prompt for item in items],
+        ground_truths=[item.ground_truth for item in items],
+        data_sources=[item.data_source for item in items],
+        extra_infos=[item.extra_info for item in items],
+        indices=[item.index for item in items],
+        reward_styles=[item.reward_style for item in items],
+    )
+
+
+def _check_messages(prompt: Any, key: str, where: str) -> list[dict[str, str]]:
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"{where}: column {key!r} must be a non-empty list of chat messages, got {prompt!r:.200}")
+    messages = []
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}: {key}[{i}] must be a {{role, content}} message, got {message!r:.200}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ValueError(f"{where}: {key}[{i}] needs string 'role' and 'content', got {message!r:.200}")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _read_reward_model(reward_model: Any, where: str) -> tuple[Any, str | None]:
+    if not isinstance(reward_model, dict):
+        raise ValueError(f"{where}: column 'reward_model' must be a struct with 'ground_truth', got {reward_model!r:.200}")
+    if reward_model.get("ground_truth") is None:
+        raise ValueError(f"{where}: reward_model.ground_truth is missing or null (fields: {sorted(reward_model)})")
+    return reward_model["ground_truth"], reward_model.get("style")
+
+
+def _read_extra_info(extra: Any, where: str) -> dict[str, Any]:
+    if extra is None:
+        return {}
+    if isinstance(extra, dict):
+        return extra
+    if isinstance(extra, list):  # a parquet map column comes back as [(key, value), ...]
+        try:
+            return dict(extra)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: extra_info list is not a map of (key, value) pairs: {extra!r:.200}") from None
+    if isinstance(extra, str):
+        try:
+            parsed = json.loads(extra) if extra.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where}: extra_info is a string but not valid JSON ({err})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"{where}: extra_info JSON must be an object, got {type(parsed).__name__}")
+        return parsed
+    raise ValueError(f"{where}: extra_info must be a struct, map or JSON string, got {type(extra).__name__}")

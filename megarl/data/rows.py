@@ -1,0 +1,56 @@
+"""The on-disk prompt row: its parquet schema and a writer shared by the synthetic task and the preprocess CLI.
+
+A row is `prompt` (chat messages), `reward_model` ({ground_truth, style}), `data_source` and `extra_info`
+(a struct whose fields each writer chooses). Reading, validation and tokenization live in `dataset.py`.
+
+Left out: streaming writes of datasets that do not fit in memory (the demo and GSM8K/MATH-size data fit easily).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+REWARD_MODEL_TYPE = pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
+
+
+def make_prompt_row(
+    *, messages: Sequence[dict[str, str]], ground_truth: str, data_source: str, extra_info: dict[str, Any],
+    style: str = "rule",
+) -> dict[str, Any]:
+    """One row in the column layout `RLDataset` reads."""
+    return {
+        "prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
+        "reward_model": {"ground_truth": ground_truth, "style": style},
+        "data_source": data_source,
+        "extra_info": dict(extra_info),
+    }
+
+
+def write_prompt_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write rows to a parquet file atomically (temp file + rename); return the path.
+
+    The schema of prompt/reward_model/data_source is fixed so every writer produces the same column types;
+    the extra_info struct type is inferred from the rows.
+    """
+    if not rows:
+        raise ValueError(f"refusing to write an empty dataset to {path}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = {
+        "prompt": pa.array([r["prompt"] for r in rows], type=pa.list_(MESSAGE_TYPE)),
+        "reward_model": pa.array([r["reward_model"] for r in rows], type=REWARD_MODEL_TYPE),
+        "data_source": pa.array([r["data_source"] for r in rows], type=pa.string()),
+        "extra_info": pa.array([r["extra_info"] for r in rows]),
+    }
+    table = pa.table(columns)
+    # A unique temp name per process: concurrent writers of the same file must not clobber each other mid-write.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
