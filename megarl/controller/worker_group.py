@@ -1,0 +1,474 @@
+"""Worker groups: one Ray actor per pool bundle, forming one torch.distributed world, driven by RPC.
+
+`WorkerGroup(pool, MyWorker, init_kwargs=...)` starts one host actor per rank of `pool`, reads where each landed
+(node, IP, GPU), picks a free port on rank 0's node, writes the rank environment (see `worker_env.py`) and only
+then constructs `MyWorker` inside each actor, so its `__init__` can call `init_torch_distributed()`. Worker
+classes are plain Python classes (no Ray import); their methods are called with `call` / `call_async` and fan
+out according to their `@register(dispatch=..., collect=...)` declaration (`dispatch.py`).
+
+Colocation: groups built on the same pool share its bundles (each claims `bundle_share` of every bundle, e.g.
+0.5 + 0.5; on GPU both actors see the bundle's GPU). The hybrid-engine default is a single worker class that
+holds actor, rollout and reference, so one group with bundle_share=1. Separate placement = separate pools.
+
+Failures never hang the driver: results are awaited with `ray.wait` in a poll loop, and the first rank whose
+call raised or whose process died (kill -9, `os._exit`, node loss: Ray resolves its pending call with
+ActorDiedError) turns into `WorkerError` naming group, rank, node, pid, method and the original error. A hung
+collective (a peer alive but never arriving) is caught two ways: inside the workers by the process-group
+timeout (`init_torch_distributed(timeout_s=...)`), which makes the collective raise; on the driver by the
+per-call timeout (`call_timeout_s`, or `call_async(...).get(timeout_s=...)`), which raises `CallTimeoutError`
+with the Python stacks of the ranks that did not finish (dumped by faulthandler on SIGUSR2). When a rank died,
+or some rank was still running the failed call (so it may sit in a collective forever), the group is marked
+broken and refuses further calls: shut it down and build a new one. When every rank finished and some merely
+raised, the world is intact and the group stays usable.
+Leaves out: restarting workers, elastic resizing, and the worker classes themselves (`workers.py`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import tempfile
+import time
+from typing import Any, Mapping, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from megarl.controller.dispatch import (
+    DP_INFO_METHOD,
+    Collect,
+    Dispatch,
+    DPLayout,
+    MethodSpec,
+    collect_results,
+    lookup_method_spec,
+    plan_dispatch,
+)
+from megarl.controller.resource_pool import ResourcePool, format_table
+from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
+
+STACK_DUMP_SIGNAL = signal.SIGUSR2
+GROUP_DEFAULT: Any = object()  # "use the group's call_timeout_s" (None already means "no limit")
+_SCALARS = (int, float, str, bool, bytes, type(None))
+
+
+class WorkerError(RuntimeError):
+    """A rank of a worker group failed (raised, died, or timed out) in a call; names where and why."""
+
+    def __init__(self, group_name: str, rank: int, method: str, detail: str, *, node_ip: str | None = None,
+                 pid: int | None = None, cause: BaseException | None = None) -> None:
+        self.group_name = group_name
+        self.rank = rank
+        self.method = method
+        self.detail = detail
+        self.node_ip = node_ip
+        self.pid = pid
+        self.cause = cause
+        self.failed_ranks = [rank]
+        where = f"node {node_ip or '?'}, pid {pid or '?'}"
+        super().__init__(f"worker group {group_name!r} rank {rank} ({where}) failed in {method}(): {detail}")
+
+
+class CallTimeoutError(WorkerError):
+    """A call did not finish on all ranks within its timeout; `stacks` maps rank -> Python stacks."""
+
+    def __init__(self, group_name: str, ranks: list[int], method: str, timeout_s: float,
+                 stacks: dict[int, str], infos: list[dict[str, Any]]) -> None:
+        self.pending_ranks = ranks
+        self.stacks = stacks
+        shown = "\n".join(f"--- rank {rank} ({infos[rank]['node_ip']}, pid {infos[rank]['pid']}) ---\n{stacks[rank]}"
+                          for rank in ranks if rank in stacks)
+        detail = (f"did not finish within {timeout_s:g} s on ranks {ranks} (others finished; a peer stuck in a "
+                  f"collective or a slow/hung rank). Stacks of the pending ranks:\n{shown or '(unavailable)'}")
+        first = ranks[0]
+        super().__init__(group_name, first, method, detail, node_ip=infos[first]["node_ip"], pid=infos[first]["pid"])
+
+
+class _WorkerHost:
+    """Ray actor body: owns one worker instance and runs its methods (on the actor's main thread)."""
+
+    def __init__(self, worker_cls: type, group_name: str, rank: int) -> None:
+        self._worker_cls = worker_cls
+        self._group_name = group_name
+        self._rank = rank
+        self._worker: Any = None
+        # faulthandler writes from the C signal handler, so it works even when the main thread is blocked
+        # inside a C++ collective that holds no Python frame progress.
+        # The file is unlinked at once (read back through /proc/<pid>/fd) so killed workers leave nothing behind.
+        self._stack_file = tempfile.TemporaryFile(mode="w+", prefix="megarl-stacks-")
+        faulthandler.register(STACK_DUMP_SIGNAL, file=self._stack_file, all_threads=True)
+
+    def __repr__(self) -> str:  # Ray prefixes worker log lines with this
+        return f"{self._group_name}[rank {self._rank}]"
+
+    def describe(self) -> dict[str, Any]:
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "stack_file": f"/proc/{os.getpid()}/fd/{self._stack_file.fileno()}",
+        }
+
+    def find_free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    def construct(self, env: dict[str, str], args: tuple, kwargs: dict) -> None:
+        os.environ.update(env)
+        self._worker = self._worker_cls(*args, **kwargs)
+
+    def execute(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._worker, method_name)(*args, **kwargs)
+
+
+@ray.remote(num_cpus=0)
+def _dump_remote_stacks(pid: int, stack_file: str, settle_s: float = 0.5) -> str:
+    """Runs on the worker's node: make faulthandler in `pid` dump all thread stacks, return the new text."""
+    with open(stack_file) as handle:
+        start = handle.seek(0, os.SEEK_END)
+    os.kill(pid, STACK_DUMP_SIGNAL)
+    time.sleep(settle_s)
+    with open(stack_file) as handle:
+        handle.seek(start)
+        return handle.read()
+
+
+def _local_device_index(info: dict[str, Any]) -> int:
+    """CUDA index of the bundle's GPU as seen inside the process (Ray usually narrows visibility to it)."""
+    if not info["gpu_ids"]:
+        raise RuntimeError(f"worker on {info['node_ip']} pid {info['pid']} got no GPU from Ray")
+    gpu = info["gpu_ids"][0]
+    visible = info["cuda_visible_devices"]
+    if visible:
+        entries = [entry.strip() for entry in visible.split(",")]
+        if gpu in entries:
+            return entries.index(gpu)
+    # RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: all GPUs visible, the Ray id is the physical index.
+    return int(gpu)
+
+
+class PendingCall:
+    """A call in flight on every rank of a group; `get()` waits (never forever unless asked) and collects."""
+
+    def __init__(self, group: "WorkerGroup", method: str, spec: MethodSpec, refs: list[ray.ObjectRef],
+                 layout: DPLayout | None) -> None:
+        self.group = group
+        self.method = method
+        self.spec = spec
+        self.refs = refs
+        self.layout = layout
+
+    def done(self) -> bool:
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def get(self, timeout_s: float | None = GROUP_DEFAULT) -> Any:
+        """Wait for all ranks and collect. timeout_s=None waits without limit (dead ranks are still caught)."""
+        limit = self.group.call_timeout_s if timeout_s is GROUP_DEFAULT else timeout_s
+        results = self.group._gather(self.refs, self.method, limit)
+        return collect_results(self.spec.collect, results, layout=self.layout,
+                               method_name=f"{self.group.name}.{self.method}")
+
+
+class WorkerGroup:
+    """One Ray actor per bundle of `pool`, one torch.distributed world; see the module docstring."""
+
+    def __init__(
+        self,
+        pool: ResourcePool,
+        worker_cls: type,
+        *,
+        init_args: Sequence[Any] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        name_prefix: str | None = None,
+        bundle_share: float = 1.0,
+        method_specs: Mapping[str, MethodSpec] | None = None,
+        call_timeout_s: float | None = 1800.0,
+        init_timeout_s: float = 300.0,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.pool = pool
+        self.worker_cls = worker_cls
+        self.name = name_prefix or worker_cls.__name__
+        self.call_timeout_s = call_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._method_specs = dict(method_specs or {})
+        for method_name in self._method_specs:
+            lookup_method_spec(worker_cls, method_name)  # fail now on a typo, not at the first call
+        self._broken: str | None = None
+        self._dp_layout: DPLayout | None = None
+        pool.claim_share(self.name, bundle_share)
+        host_cls = ray.remote(_WorkerHost)
+        self._actors = [
+            host_cls.options(
+                num_cpus=pool.cpus_per_process * bundle_share,
+                num_gpus=pool.gpus_per_process * bundle_share,
+                max_restarts=0,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=slot.placement_group,
+                    placement_group_bundle_index=slot.bundle_index,
+                    placement_group_capture_child_tasks=False,
+                ),
+            ).remote(worker_cls, self.name, slot.rank)
+            for slot in pool.slots
+        ]
+        # Until describe() returns we do not know nodes/pids; error messages show '?' for them.
+        self.worker_infos: list[dict[str, Any]] = [{"node_ip": None, "pid": None} for _ in self._actors]
+        try:
+            self.worker_infos = self._gather([actor.describe.remote() for actor in self._actors],
+                                             "describe (actor start)", init_timeout_s)
+            master_port = ray.get(self._actors[0].find_free_port.remote(), timeout=init_timeout_s)
+            envs = self._build_rank_envs(master_port, dict(env or {}))
+            args, kwargs = tuple(init_args), dict(init_kwargs or {})
+            self._gather([actor.construct.remote(rank_env, args, kwargs)
+                          for actor, rank_env in zip(self._actors, envs)],
+                         f"{worker_cls.__name__}.__init__", init_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._broken = None
+
+    # ----------------------------------------------------------------------------------------- set-up
+
+    def _build_rank_envs(self, master_port: int, extra: dict[str, str]) -> list[dict[str, str]]:
+        ranks_on_node: dict[str, list[int]] = {}
+        for rank, info in enumerate(self.worker_infos):
+            ranks_on_node.setdefault(info["node_id"], []).append(rank)
+        envs = []
+        for slot, info in zip(self.pool.slots, self.worker_infos):
+            peers = ranks_on_node[info["node_id"]]
+            local_rank = peers.index(slot.rank)
+            rank_env = {
+                "MASTER_ADDR": self.worker_infos[0]["node_ip"],
+                "MASTER_PORT": str(master_port),
+                "RANK": str(slot.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(len(peers)),
+                ENV_GROUP_NAME: self.name,
+                ENV_POOL_NODE: str(slot.pool_node),
+                ENV_DEVICE: self.pool.device,
+                ENV_LOCAL_DEVICE: str(_local_device_index(info)) if self.pool.device == "cuda" else "",
+            }
+            info.update(master_port=str(master_port), local_rank=local_rank, pool_node=slot.pool_node, bundle=slot.bundle_index,
+                        local_device=rank_env[ENV_LOCAL_DEVICE] or None)
+            rank_env.update(extra)
+            envs.append(rank_env)
+        return envs
+
+    # ----------------------------------------------------------------------------------------- calls
+
+    @property
+    def world_size(self) -> int:
+        return len(self._actors)
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `method_name` on all ranks (dispatch per its spec), wait with the group timeout, collect."""
+        return self.call_async(method_name, *args, **kwargs).get()
+
+    def call_async(self, method_name: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `method_name` on all ranks and return at once; `.get()` on the result waits and collects."""
+        self._check_usable(method_name)
+        spec = lookup_method_spec(self.worker_cls, method_name, self._method_specs)
+        needs_layout = spec.dispatch is Dispatch.DP_SPLIT or spec.collect is Collect.DP_COLLECT
+        layout = self.dp_layout if needs_layout else None
+        per_rank = plan_dispatch(spec.dispatch, args, kwargs, world_size=self.world_size, layout=layout,
+                                 method_name=f"{self.name}.{method_name}")
+        stored: dict[int, Any] = {}
+        keep_alive: list[Any] = []  # ids in `stored` stay valid only while the objects live
+
+        def share(value: Any) -> Any:
+            # Put every non-scalar argument in the object store once, so ONE_TO_ALL and DP peers fetch one
+            # copy instead of the driver serialising it once per rank.
+            if isinstance(value, _SCALARS):
+                return value
+            if id(value) not in stored:
+                stored[id(value)] = ray.put(value)
+                keep_alive.append(value)
+            return stored[id(value)]
+
+        refs = [
+            actor.execute.remote(method_name, *(share(v) for v in rank_args),
+                                 **{name: share(v) for name, v in rank_kwargs.items()})
+            for actor, (rank_args, rank_kwargs) in zip(self._actors, per_rank)
+        ]
+        return PendingCall(self, method_name, spec, refs, layout)
+
+    def call_rank(self, rank: int, method_name: str, *args: Any, timeout_s: float | None = GROUP_DEFAULT,
+                  **kwargs: Any) -> Any:
+        """Run `method_name` on one rank only (e.g. rank 0 saving an HF checkpoint) and return its result."""
+        self._check_usable(method_name)
+        lookup_method_spec(self.worker_cls, method_name, self._method_specs)
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"worker group {self.name!r} has ranks 0..{self.world_size - 1}, got {rank}")
+        limit = self.call_timeout_s if timeout_s is GROUP_DEFAULT else timeout_s
+        ref = self._actors[rank].execute.remote(method_name, *args, **kwargs)
+        return self._gather([ref], method_name, limit, ranks=[rank])[0]
+
+    @property
+    def dp_layout(self) -> DPLayout:
+        """DP layout reported by the workers' `get_dp_info()` (fetched once); pure DP if they lack it."""
+        if self._dp_layout is None:
+            self.refresh_dp_layout()
+        return self._dp_layout  # type: ignore[return-value]
+
+    def refresh_dp_layout(self) -> DPLayout:
+        """Re-query the DP layout, e.g. after the workers (re)initialised their parallel state."""
+        if not callable(getattr(self.worker_cls, DP_INFO_METHOD, None)):
+            self._dp_layout = DPLayout.pure_data_parallel(self.world_size)
+        else:
+            self._check_usable(DP_INFO_METHOD)
+            infos = self._gather([actor.execute.remote(DP_INFO_METHOD) for actor in self._actors],
+                                 DP_INFO_METHOD, self.call_timeout_s)
+            self._dp_layout = DPLayout.from_infos(infos, group_name=f"worker group {self.name!r}")
+        return self._dp_layout
+
+    # ----------------------------------------------------------------------------------------- waiting
+
+    def _check_usable(self, method_name: str) -> None:
+        if not self._actors:
+            raise RuntimeError(f"worker group {self.name!r} is shut down; cannot call {method_name}()")
+        if self._broken is not None:
+            raise RuntimeError(f"worker group {self.name!r} is broken by an earlier failure ({self._broken}); "
+                               f"cannot call {method_name}(): shut it down and create a new group")
+
+    def _gather(self, refs: list[ray.ObjectRef], method: str, timeout_s: float | None,
+                ranks: list[int] | None = None) -> list[Any]:
+        """Wait for all refs; raise WorkerError at the first failed rank, CallTimeoutError past the deadline."""
+        ranks = list(range(len(refs))) if ranks is None else ranks
+        pending = dict(zip(refs, ranks))
+        results: dict[int, Any] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            wait_s = self.poll_interval_s
+            if deadline is not None:
+                wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
+            failures: dict[int, RayError] = {}
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayError as err:
+                    failures[rank] = err
+            if failures:
+                raise self._fail(method, failures, pending)
+            if pending and deadline is not None and time.monotonic() >= deadline:
+                pending_ranks = sorted(pending.values())
+                self._broken = f"{method}() timed out on ranks {pending_ranks}"
+                raise CallTimeoutError(self.name, pending_ranks, method, float(timeout_s),  # type: ignore[arg-type]
+                                       self._dump_stacks(pending_ranks), self.worker_infos)
+        return [results[rank] for rank in ranks]
+
+    def _fail(self, method: str, failures: dict[int, RayError], pending: dict[ray.ObjectRef, int],
+              grace_s: float = 1.0) -> WorkerError:
+        """Build the WorkerError for a failed call, naming the root cause rank.
+
+        A dead process makes its peers' collectives fail a moment later (gloo: connection closed), so after the
+        first failure we wait `grace_s` for the other ranks and report a died rank first when there is one;
+        the other failures are listed in the message.
+        """
+        late: list[ray.ObjectRef] = []
+        if pending:
+            late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+            for ref in late:
+                try:
+                    ray.get(ref)
+                except RayError as err:
+                    failures[pending[ref]] = err
+        died = [rank for rank, err in failures.items() if isinstance(err, RayActorError)]
+        primary = min(died) if died else min(failures)
+        err = failures[primary]
+        if isinstance(err, RayActorError):
+            detail = f"the worker process died ({type(err).__name__}): {err}"
+            cause: BaseException | None = err
+        elif isinstance(err, RayTaskError):
+            cause = err.cause if isinstance(err.cause, BaseException) else err
+            # str() of Ray's task error carries the remote traceback.
+            detail = f"{type(cause).__name__}: {cause}\n{err}"
+        else:
+            cause, detail = err, f"{type(err).__name__}: {err}"
+        others = sorted(rank for rank in failures if rank != primary)
+        if others:
+            summaries = [f"rank {rank}: {self._summarize(failures[rank])}" for rank in others]
+            detail += "\nalso failed (likely as a consequence): " + "; ".join(summaries)
+        still_running = sorted(rank for ref, rank in pending.items() if ref not in late)
+        if died or still_running:
+            # Survivors may sit in a collective forever and the world lost a member: unusable from now on.
+            self._broken = f"{method}() failed on rank {primary}"
+        # Otherwise every rank finished the call (some raised): the world is intact and the group usable.
+        info = self.worker_infos[primary]
+        error = WorkerError(self.name, primary, method, detail, node_ip=info.get("node_ip"), pid=info.get("pid"),
+                            cause=cause)
+        error.failed_ranks = sorted(failures)
+        return error
+
+    @staticmethod
+    def _summarize(err: RayError) -> str:
+        if isinstance(err, RayTaskError) and isinstance(err.cause, BaseException):
+            text = f"{type(err.cause).__name__}: {err.cause}"
+        else:
+            text = f"{type(err).__name__}: {err}"
+        return text.splitlines()[0][:300] if text else type(err).__name__
+
+    def _dump_stacks(self, ranks: list[int], timeout_s: float = 15.0) -> dict[int, str]:
+        """Best effort: ask faulthandler in each pending rank for its stacks (via a task on its node)."""
+        refs = {}
+        for rank in ranks:
+            info = self.worker_infos[rank]
+            if "stack_file" not in info:
+                continue
+            refs[rank] = _dump_remote_stacks.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
+            ).remote(info["pid"], info["stack_file"])
+        stacks = {}
+        for rank, ref in refs.items():
+            try:
+                stacks[rank] = ray.get(ref, timeout=timeout_s)
+            except (RayError, GetTimeoutError, OSError) as err:
+                stacks[rank] = f"(could not dump stacks: {type(err).__name__}: {err})"
+        return stacks
+
+    # ----------------------------------------------------------------------------------------- reporting / teardown
+
+    def placement_table(self) -> list[dict[str, Any]]:
+        """One row per rank: where it runs (node, pid, GPU) — what the launcher prints at start."""
+        return [
+            {"group": self.name, "rank": rank, "pool_node": info.get("pool_node"), "bundle": info.get("bundle"),
+             "node_ip": info["node_ip"], "pid": info["pid"], "local_rank": info.get("local_rank"),
+             "gpu_ids": ",".join(info.get("gpu_ids", [])) or "-", "local_device": info.get("local_device") or "-"}
+            for rank, info in enumerate(self.worker_infos)
+        ]
+
+    def format_placement_table(self) -> str:
+        return format_table(self.placement_table())
+
+    def shutdown(self) -> None:
+        """Kill the actors and give the group's bundle share back to the pool; safe to call twice."""
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead or Ray gone: nothing to kill
+                pass
+        self._actors = []
+        self.pool.release_share(self.name)
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
