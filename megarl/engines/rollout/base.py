@@ -1,0 +1,162 @@
+"""The rollout-engine contract: sampling settings, per-sample outputs, the engine ABC and its factory.
+
+Every rollout backend (HF/torch reference engine, vLLM) implements `RolloutEngine`; the trainer and
+weight-sync code only ever talk to this interface. Inputs and outputs are token ids: tokenization,
+chat templates and reward scoring live elsewhere.
+
+Weight-update protocol (the same for every engine):
+
+    for bucket in buckets:                 # bounded lists of (hf_name, tensor)
+        engine.update_weights(bucket)      # first call of a session opens it
+    engine.finish_weight_update()          # required once after the last bucket
+
+`finish_weight_update()` is mandatory: engines may defer work to it (vLLM finalizes its layerwise reload
+and drops the prefix cache there) and `generate()` refuses to run while a session is open, so a half-
+updated model is never sampled from.
+
+Log-probs convention: `RolloutOutput.log_probs[t]` is the log-probability of the sampled token under the
+*processed* distribution that was actually sampled from (logits / temperature, then top-k / top-p
+renormalization); for greedy decoding it is the plain log-softmax of the logits.
+
+Leaves out: prompt log-probs, multimodal inputs, LoRA, async/streaming generation.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to sample responses; mirrors the subset of vLLM `SamplingParams` RL needs.
+
+    `top_k=-1` and `top_p=1.0` disable those filters; `temperature=0.0` means greedy decoding.
+    `stop` are strings checked on the decoded response (needs a tokenizer); `stop_token_ids` are
+    extra stop ids on top of the model's eos ids. A stop string or stop id ends the sample with
+    finish_reason "stop" and the token that completed it is kept in `token_ids`.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; store tuples so the config stays hashable and frozen.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
+        if self.temperature < 0.0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"SamplingConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"SamplingConfig.stop must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def greedy(cls, *, max_tokens: int, n: int = 1, logprobs: bool = False, **kwargs) -> "SamplingConfig":
+        """Argmax decoding; the usual choice for evaluation and for engine-equivalence tests."""
+        return cls(n=n, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+
+
+@dataclasses.dataclass
+class RolloutOutput:
+    """One sampled response. `token_ids` excludes the prompt and includes a generated eos/stop token."""
+
+    prompt_index: int
+    token_ids: list[int]
+    log_probs: list[float] | None
+    finish_reason: FinishReason
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in ("stop", "length"):
+            raise ValueError(f"RolloutOutput.finish_reason must be 'stop' or 'length', got {self.finish_reason!r}")
+        if self.log_probs is not None and len(self.log_probs) != len(self.token_ids):
+            raise ValueError(
+                f"RolloutOutput.log_probs has {len(self.log_probs)} entries for {len(self.token_ids)} tokens"
+            )
+
+
+class RolloutEngine(abc.ABC):
+    """A generator of responses whose weights the trainer overwrites between steps."""
+
+    @abc.abstractmethod
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+        """Return `sampling.n` outputs per prompt, grouped by prompt in input order."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of HF-layout tensors (e.g. `model.layers.0.self_attn.q_proj.weight`)."""
+
+    @abc.abstractmethod
+    def finish_weight_update(self) -> None:
+        """Close the weight-update session opened by the first `update_weights` call."""
+
+    @property
+    def supports_sleep(self) -> bool:
+        """Whether `sleep()` really releases memory on this platform (callers check before colocating)."""
+        return True
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Release weights and KV cache memory on the device (colocated mode)."""
+
+    @abc.abstractmethod
+    def wake_up(self) -> None:
+        """Restore what `sleep()` released; the weights are those from before sleeping."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Free every resource; the engine is unusable afterwards."""
+
+
+def validate_prompts(prompt_token_ids: list[list[int]], vocab_size: int | None) -> None:
+    """Raise a ValueError naming the first bad prompt (empty, non-int or out-of-vocabulary id)."""
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise TypeError(f"prompt_token_ids must be a list of lists of ints, got {type(prompt_token_ids).__name__}")
+    for index, prompt in enumerate(prompt_token_ids):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt_token_ids[{index}] is empty")
+        for token in prompt:
+            if not isinstance(token, int) or token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ValueError(
+                    f"prompt_token_ids[{index}] has invalid token id {token!r} (vocab size {vocab_size})"
+                )
+
+
+def build_rollout_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
+    """Construct the engine called `name` ("hf" or "vllm") for the HF checkpoint directory `model_path`.
+
+    Backends are imported lazily so that using the HF engine never imports vLLM.
+    """
+    if name == "hf":
+        from megarl.engines.rollout.hf_engine import HFRolloutEngine
+
+        return HFRolloutEngine(model_path, **kwargs)
+    if name == "vllm":
+        from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(model_path, **kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; expected 'hf' or 'vllm'")

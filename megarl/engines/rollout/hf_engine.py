@@ -1,0 +1,248 @@
+"""Reference rollout engine on plain HF transformers + torch: batched sampling with a KV cache.
+
+It is the engine that runs anywhere (CPU CI, debugging) and the ground truth the vLLM engine is tested
+against. The decoding loop is our own (not `model.generate`) so that the sampled token's log-prob comes
+from exactly the distribution it was drawn from, and so that seeding is explicit: one `torch.Generator`
+per `generate` call, consumed in a fixed order, makes a call reproducible for the same inputs.
+
+Batching: prompts are left-padded, each repeated `n` times; rows that finished keep being fed a pad id
+and are ignored. Leaves out: speculative decoding, continuous batching, paged KV cache, tensor
+parallelism (use the vLLM engine for throughput).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from megarl.engines.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, validate_prompts
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Turn raw next-token logits [rows, vocab] into the log-probs that are sampled from.
+
+    Temperature first, then top-k, then top-p (the order vLLM applies them); filtered tokens get -inf
+    and the rest are renormalized. Greedy decoding returns the plain log-softmax.
+    """
+    logits = logits.float()
+    if sampling.is_greedy:
+        return F.log_softmax(logits, dim=-1)
+    logits = logits / sampling.temperature
+    if sampling.top_k != -1 and sampling.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the top token always stays.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return F.log_softmax(logits, dim=-1)
+
+
+class HFRolloutEngine(RolloutEngine):
+    """`AutoModelForCausalLM` from a local directory, sampled with our own KV-cached loop."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        tokenizer_path: str | None = None,
+        attn_implementation: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isdir(model_path):
+            raise FileNotFoundError(f"HFRolloutEngine: model_path {model_path!r} is not a directory")
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise ValueError(f"HFRolloutEngine: unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+            dtype = _DTYPES[dtype]
+        self.device = torch.device(device)
+        extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra).to(self.device).eval()
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_token_ids = self._collect_eos_ids()
+        self.pad_token_id = self._choose_pad_id()
+        self._tokenizer_path = tokenizer_path or model_path
+        self._tokenizer = None
+        # Both the canonical and the tied alias names map to the same Parameter, so an `lm_head.weight`
+        # arriving for a tied model lands in the shared embedding instead of raising "unknown name".
+        self._params_by_name = dict(self.model.named_parameters(remove_duplicate=False))
+        self._update_open = False
+        self._updated_names: set[str] = set()
+        self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+        self._check_ready("generate")
+        validate_prompts(prompt_token_ids, self.vocab_size)
+        if sampling.stop and self._load_tokenizer() is None:
+            raise ValueError(f"SamplingConfig.stop={sampling.stop!r} needs a tokenizer; none found at "
+                             f"{self._tokenizer_path!r}")
+        rows = [(index, prompt) for index, prompt in enumerate(prompt_token_ids) for _ in range(sampling.n)]
+        generator = torch.Generator(device=self.device)
+        if sampling.seed is not None:
+            generator.manual_seed(sampling.seed)
+        else:
+            generator.seed()
+        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
+
+        input_ids, attention_mask = self._left_pad([prompt for _, prompt in rows])
+        num_rows = len(rows)
+        responses: list[list[int]] = [[] for _ in range(num_rows)]
+        log_probs: list[list[float]] = [[] for _ in range(num_rows)]
+        finish: list[str | None] = [None] * num_rows
+
+        past = None
+        step_ids = input_ids
+        for _ in range(sampling.max_tokens):
+            position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = self.model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            token_log_probs = process_logits(out.logits[:, -1, :], sampling)
+            if sampling.is_greedy:
+                next_ids = token_log_probs.argmax(dim=-1)
+            else:
+                next_ids = torch.multinomial(token_log_probs.exp(), 1, generator=generator).squeeze(-1)
+            chosen = token_log_probs.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)
+            for row in range(num_rows):
+                if finish[row] is not None:
+                    continue
+                token = int(next_ids[row])
+                responses[row].append(token)
+                log_probs[row].append(float(chosen[row]))
+                if token in stop_ids or (sampling.stop and self._hits_stop_string(responses[row], sampling.stop)):
+                    finish[row] = "stop"
+            if all(reason is not None for reason in finish):
+                break
+            # Finished rows are fed the pad id; their outputs are already frozen above.
+            feed = torch.tensor([self.pad_token_id if finish[r] is not None else responses[r][-1]
+                                 for r in range(num_rows)], device=self.device)
+            step_ids = feed.unsqueeze(-1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
+
+        return [
+            RolloutOutput(prompt_index=rows[r][0], token_ids=responses[r],
+                          log_probs=log_probs[r] if sampling.logprobs else None,
+                          finish_reason=finish[r] or "length")
+            for r in range(num_rows)
+        ]
+
+    def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _hits_stop_string(self, response: list[int], stops: tuple[str, ...]) -> bool:
+        text = self._tokenizer.decode(response, skip_special_tokens=True)
+        return any(stop in text for stop in stops)
+
+    def _collect_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.model.config, getattr(self.model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if eos is None:
+                continue
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+        return ids
+
+    def _choose_pad_id(self) -> int:
+        pad = getattr(self.model.config, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+        # Pad positions are masked out, so any valid id works; prefer eos for readability of dumps.
+        return min(self.eos_token_ids) if self.eos_token_ids else 0
+
+    def _load_tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            except (OSError, ValueError):
+                return None
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._asleep:
+            raise RuntimeError("HFRolloutEngine.update_weights called while asleep; call wake_up() first")
+        self._update_open = True
+        for name, tensor in named_tensors:
+            param = self._params_by_name.get(name)
+            if param is None:
+                raise KeyError(f"HFRolloutEngine.update_weights: unknown parameter name {name!r}")
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"HFRolloutEngine.update_weights: shape mismatch for {name!r}: got "
+                                 f"{tuple(tensor.shape)}, model has {tuple(param.shape)}")
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+            self._updated_names.add(name)
+
+    def finish_weight_update(self) -> None:
+        # Copies are in place and there is no prefix cache, so finishing only closes the session.
+        if not self._update_open:
+            raise RuntimeError("HFRolloutEngine.finish_weight_update called without a preceding update_weights")
+        self._update_open = False
+        self._updated_names.clear()
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def supports_sleep(self) -> bool:
+        # On CPU the "device" is host RAM: there is nothing to move the weights to.
+        return self.device.type != "cpu"
+
+    def sleep(self) -> None:
+        """Move the weights to host memory (CUDA) and drop the CUDA cache; the KV cache is per call anyway.
+
+        On a CPU device nothing is released (documented no-op); the engine still enters the asleep
+        state so that a generate/update during sleep fails the same way on every platform.
+        """
+        if self._asleep:
+            return
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if not self._asleep:
+            return
+        if self.device.type != "cpu":
+            self.model.to(self.device)
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        self.model = None
+        self._params_by_name = {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_ready(self, what: str) -> None:
+        if self.model is None:
+            raise RuntimeError(f"HFRolloutEngine.{what} called after shutdown()")
+        if self._asleep:
+            raise RuntimeError(f"HFRolloutEngine.{what} called while asleep; call wake_up() first")
+        if self._update_open:
+            raise RuntimeError(f"HFRolloutEngine.{what} called during a weight update; "
+                               "call finish_weight_update() first")

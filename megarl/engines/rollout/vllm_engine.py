@@ -1,0 +1,249 @@
+"""Rollout engine on vLLM (0.32, V1 engine): token-id prompts in, sampled ids + log-probs out.
+
+Wraps `vllm.LLM`. Weight updates go through `LLM.collective_rpc` to `MegarlWeightUpdateExtension`, which
+vLLM mixes into every worker: each bucket is handed to the model's own `load_weights` on every TP/PP
+rank inside vLLM's layerwise reload session, then the prefix cache is reset (cached KV blocks were
+computed by the old weights). A session must carry the whole model (see `update_weights`). Bucket names/shapes are validated here against the checkpoint's
+safetensors headers first, so a bad name fails with a clear message before anything is sent.
+
+Log-probs follow the contract in `base.py`: the engine is started with
+`logprobs_mode="processed_logprobs"`, i.e. after temperature and top-k/top-p, like the HF engine.
+
+sleep/wake: `LLM.sleep(level=1)` / `LLM.wake_up()` on platforms with a sleep-mode allocator (CUDA); the
+CPU worker ignores sleep (it only logs a warning), so here `sleep()` raises `NotImplementedError` on CPU
+rather than pretend memory was released; check `supports_sleep` first.
+
+Construct this engine only under `if __name__ == "__main__":` in scripts: vLLM starts its engine core in
+a child process. Leaves out: async engine, prompt log-probs, LoRA, zero-copy CUDA-IPC weight transfer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from megarl.engines.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, validate_prompts
+from megarl.engines.rollout.vllm_worker_extension import encode_bucket
+
+_EXTENSION = "megarl.engines.rollout.vllm_worker_extension.MegarlWeightUpdateExtension"
+
+
+def read_checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """HF tensor names -> shapes from the safetensors headers in `model_path` (no tensor data is read)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in model dir {model_path!r}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """`vllm.LLM` behind the `RolloutEngine` interface."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        enable_sleep_mode: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        **llm_kwargs,
+    ) -> None:
+        """Start vLLM on the HF dir `model_path`.
+
+        `kv_cache_memory_bytes` sizes the KV cache directly; on CPU it also stops vLLM from reserving
+        `gpu_memory_utilization` of host RAM. `llm_kwargs` go to `vllm.LLM` unchanged.
+        """
+        from vllm import LLM
+
+        if not os.path.isdir(model_path):
+            raise FileNotFoundError(f"VLLMRolloutEngine: model_path {model_path!r} is not a directory")
+        self._checkpoint_shapes = read_checkpoint_shapes(model_path)
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        self.vocab_size = int(config["vocab_size"])
+        # Trainers export the tied head too; vLLM's loader ignores `lm_head.weight` for tied models, so
+        # it is accepted as an alias of the embedding (see update_weights).
+        self._tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._checkpoint_shapes
+
+        from vllm.platforms import current_platform
+
+        self._on_cpu = current_platform.is_cpu()
+        if enable_sleep_mode and self._on_cpu:
+            raise NotImplementedError("VLLMRolloutEngine: enable_sleep_mode is not supported by vLLM on CPU")
+        if kv_cache_memory_bytes is not None:
+            llm_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        self._sleep_enabled = enable_sleep_mode
+        self.llm = LLM(
+            model=model_path,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            enable_sleep_mode=enable_sleep_mode,
+            enable_prefix_caching=enable_prefix_caching,
+            worker_extension_cls=_EXTENSION,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
+        self._update_open = False
+        self._session_names: set[str] = set()
+        self._asleep = False
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+        from vllm.inputs import TokensPrompt
+
+        self._check_ready("generate")
+        validate_prompts(prompt_token_ids, self.vocab_size)
+        params = [self._sampling_params(sampling, index) for index in range(len(prompt_token_ids))]
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs: list[RolloutOutput] = []
+        for index, request in enumerate(results):
+            if len(request.outputs) != sampling.n:
+                raise RuntimeError(f"vLLM returned {len(request.outputs)} samples for prompt {index}, "
+                                   f"expected {sampling.n}")
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                outputs.append(self._convert(index, completion, sampling))
+        return outputs
+
+    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int):
+        from vllm import SamplingParams
+
+        # vLLM gives the j-th of n children seed+j; spacing prompts by n keeps every sample's seed unique.
+        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        return SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=0 if sampling.top_k == -1 else sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            seed=seed,
+            logprobs=0 if sampling.logprobs else None,
+            ignore_eos=sampling.ignore_eos,
+            # Without stop strings nothing needs text: skip detokenization (it costs CPU per token).
+            detokenize=bool(sampling.stop),
+        )
+
+    @staticmethod
+    def _convert(prompt_index: int, completion, sampling: SamplingConfig) -> RolloutOutput:
+        if completion.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a sample of prompt {prompt_index} with "
+                               f"{completion.finish_reason!r} (expected 'stop' or 'length')")
+        token_ids = list(completion.token_ids)
+        log_probs = None
+        if sampling.logprobs:
+            # With logprobs=0 each position's dict holds exactly the sampled token (plus nothing else).
+            log_probs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs)]
+        return RolloutOutput(prompt_index=prompt_index, token_ids=token_ids, log_probs=log_probs,
+                             finish_reason=completion.finish_reason)
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Send one bucket; a session must deliver every checkpoint tensor before `finish_weight_update`.
+
+        Full sessions are required because vLLM's layerwise reload re-processes a module (fused qkv /
+        gate_up, CPU oneDNN-packed GEMMs) from the tensors of this session only: a module that gets part
+        of its tensors would be rebuilt from uninitialized memory (measured: NaN outputs).
+        """
+        if self._asleep:
+            raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake_up() first")
+        bucket = []
+        for name, tensor in named_tensors:
+            if self._tied and name == "lm_head.weight":
+                name = "model.embed_tokens.weight"
+                if name in self._session_names:
+                    continue  # the alias of an embedding already sent in this session
+            elif self._tied and name == "model.embed_tokens.weight" and name in self._session_names:
+                continue  # sent earlier under its alias lm_head.weight
+            expected = self._checkpoint_shapes.get(name)
+            if expected is None:
+                raise KeyError(f"VLLMRolloutEngine.update_weights: unknown parameter name {name!r}")
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"VLLMRolloutEngine.update_weights: shape mismatch for {name!r}: got "
+                                 f"{tuple(tensor.shape)}, checkpoint has {expected}")
+            if name in self._session_names or any(name == other for other, _ in bucket):
+                raise ValueError(f"VLLMRolloutEngine.update_weights: {name!r} sent twice in one weight update")
+            bucket.append((name, tensor))
+        if not self._update_open:
+            self.llm.collective_rpc("megarl_start_weight_update")
+            self._update_open = True
+        if bucket:
+            self.llm.collective_rpc("megarl_load_weight_bucket", args=(encode_bucket(bucket),))
+            self._session_names.update(name for name, _ in bucket)
+
+    def finish_weight_update(self) -> None:
+        """Finalize the reload and reset the prefix cache; refuses (session stays open) if tensors are missing."""
+        if not self._update_open:
+            raise RuntimeError("VLLMRolloutEngine.finish_weight_update called without a preceding update_weights")
+        missing = sorted(set(self._checkpoint_shapes) - self._session_names)
+        if missing:
+            raise RuntimeError(
+                f"VLLMRolloutEngine.finish_weight_update: the session lacks {len(missing)} checkpoint tensors "
+                f"(e.g. {missing[:3]}); send them with update_weights and call finish_weight_update again")
+        self.llm.collective_rpc("megarl_finish_weight_update")
+        self._update_open = False
+        self._session_names.clear()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def supports_sleep(self) -> bool:
+        return self._sleep_enabled and not self._on_cpu
+
+    def sleep(self) -> None:
+        """Offload weights to host memory and discard the KV cache (`LLM.sleep(level=1)`)."""
+        if not self.supports_sleep:
+            raise NotImplementedError(
+                "VLLMRolloutEngine.sleep: needs enable_sleep_mode=True on a platform with sleep mode "
+                f"(CUDA); this engine runs on {'CPU' if self._on_cpu else 'a device'} with "
+                f"enable_sleep_mode={self._sleep_enabled}")
+        if not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if not self.supports_sleep:
+            raise NotImplementedError("VLLMRolloutEngine.wake_up: sleep mode is unavailable (see sleep())")
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def shutdown(self) -> None:
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+
+    def _check_ready(self, what: str) -> None:
+        if self.llm is None:
+            raise RuntimeError(f"VLLMRolloutEngine.{what} called after shutdown()")
+        if self._asleep:
+            raise RuntimeError(f"VLLMRolloutEngine.{what} called while asleep; call wake_up() first")
+        if self._update_open:
+            raise RuntimeError(f"VLLMRolloutEngine.{what} called during a weight update; "
+                               "call finish_weight_update() first")
