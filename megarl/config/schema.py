@@ -107,6 +107,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
+    kv_cache_memory_mb: Optional[int] = None  # size vLLM's KV cache directly (on CPU: instead of a RAM share)
     enforce_eager: bool = False
     free_cache_engine: bool = True  # sleep the engine between rollouts when colocated
     dtype: str = "float32"
@@ -192,6 +193,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cuda | cpu
     placement: str = "colocate"  # colocate | separate
     rollout_gpus: int = 0  # with placement=separate: how many of the processes serve rollout
+    backend: str = "ray"  # ray | inprocess (one rank in the driver process, no Ray: debugging, GPU box)
     ray_address: Optional[str] = None  # None: start a local cluster; "auto" or host:port to attach
     worker_timeout_s: float = 600.0
     seed: int = 1

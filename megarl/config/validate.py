@@ -113,6 +113,10 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     _choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")
     _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
     _choice(t.placement, ("colocate", "separate"), "trainer.placement")
+    _choice(t.backend, ("ray", "inprocess"), "trainer.backend")
+    if t.backend == "inprocess" and world_size(cfg) != 1:
+        raise ConfigError(f"trainer.backend=inprocess runs one rank; trainer.nnodes x trainer.n_gpus_per_node = "
+                          f"{world_size(cfg)}")
     for i, name in enumerate(t.logger):
         _choice(name, ("console", "tensorboard", "jsonl"), f"trainer.logger[{i}]")
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",

@@ -133,6 +133,7 @@ class ActorRolloutRefWorker(_MegatronRole):
             optimizer_config=megatron_optimizer_config(arr.actor.optim, arr.actor.megatron),
             lr_schedule=lr_schedule(arr.actor.optim, total_steps), ddp_config=ddp_config(arr.actor.megatron),
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu, temperature=arr.rollout.temperature or 1.0,
+            vocab_size=self.bridge.dims.vocab_size,
         )
         self._load_hf(self.actor)
         self.reference = None
@@ -141,7 +142,7 @@ class ActorRolloutRefWorker(_MegatronRole):
             self.reference = ReferenceEngine(
                 model_provider=self._provider(ref_config), config=ref_config,
                 micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
-                temperature=arr.rollout.temperature or 1.0,
+                temperature=arr.rollout.temperature or 1.0, vocab_size=self.bridge.dims.vocab_size,
             )
             self._load_hf(self.reference)
         rollout = arr.rollout
@@ -149,7 +150,10 @@ class ActorRolloutRefWorker(_MegatronRole):
         if rollout.name == "vllm":
             engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                                  enforce_eager=rollout.enforce_eager,
-                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                                 seed=cfg.trainer.seed + self.rank_info.rank)
+            if rollout.kv_cache_memory_mb:
+                engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
         self.rollout = build_rollout_engine(rollout.name, self.model_path, **engine_kwargs)
         self.rollout_dtype = _DTYPES[rollout.dtype]
         self.bucket_bytes = rollout.weight_sync_bucket_mb * 2**20

@@ -58,9 +58,6 @@ def run(cfg: MegarlConfig) -> list[dict]:
     """Train to the end of ``cfg``; returns the per-step metric history."""
     from transformers import AutoTokenizer
 
-    from megarl.controller.ray_cluster import init_ray, shutdown_ray
-    from megarl.controller.resource_pool import ResourcePool
-    from megarl.controller.worker_group import WorkerGroup
     from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker, worker_env_for
     from megarl.models.embedded import resolve_model_path
     from megarl.trainer.checkpoint import CheckpointManager
@@ -79,32 +76,47 @@ def run(cfg: MegarlConfig) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.yaml")
 
-    started_ray = False
-    import ray
-
-    if not ray.is_initialized():
-        init_ray(t.ray_address, num_cpus=None if t.ray_address else max(4, t.n_gpus_per_node * 2),
-                 extra_env=worker_env_for(cfg))
-        started_ray = True
-    groups = []
+    groups: list = []
     logger = MetricsLogger(t.logger, out_dir)
+    started_ray = False
     try:
-        processes = [t.n_gpus_per_node] * t.nnodes
-        pool = ResourcePool("colocated", processes, device=device,
-                            cpus_per_process=1.0 if device == "cuda" else 0.5)
         with_critic = bool(cfg.critic.enable)
-        share = 0.5 if with_critic else 1.0
-        timeout = t.worker_timeout_s
-        actor = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
-                            init_kwargs=dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg)),
-                            env=worker_env_for(cfg), call_timeout_s=timeout, init_timeout_s=timeout)
-        groups.append(actor)
-        critic = None
-        if with_critic:
-            critic = WorkerGroup(pool, CriticWorker, name_prefix="critic", bundle_share=share,
-                                 init_kwargs=dict(cfg=cfg, total_steps=total_steps), env=worker_env_for(cfg),
-                                 call_timeout_s=timeout, init_timeout_s=timeout)
-            groups.append(critic)
+        actor_kwargs = dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg))
+        critic_kwargs = dict(cfg=cfg, total_steps=total_steps)
+        if t.backend == "inprocess":
+            from megarl.controller.inprocess_group import InProcessWorkerGroup
+
+            if with_critic:
+                raise ValueError("trainer.backend=inprocess holds one worker; PPO with a critic needs the ray backend")
+            actor = InProcessWorkerGroup(ActorRolloutRefWorker, device=device, init_kwargs=actor_kwargs,
+                                         env=worker_env_for(cfg), name_prefix="actor_rollout_ref")
+            groups.append(actor)
+            critic = None
+        else:
+            import ray
+
+            from megarl.controller.ray_cluster import init_ray
+            from megarl.controller.resource_pool import ResourcePool
+            from megarl.controller.worker_group import WorkerGroup
+
+            if not ray.is_initialized():
+                init_ray(t.ray_address, num_cpus=None if t.ray_address else max(4, t.n_gpus_per_node * 2),
+                         extra_env=worker_env_for(cfg))
+                started_ray = True
+            pool = ResourcePool("colocated", [t.n_gpus_per_node] * t.nnodes, device=device,
+                                cpus_per_process=1.0 if device == "cuda" else 0.5)
+            share = 0.5 if with_critic else 1.0
+            timeout = t.worker_timeout_s
+            actor = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
+                                init_kwargs=actor_kwargs, env=worker_env_for(cfg), call_timeout_s=timeout,
+                                init_timeout_s=timeout)
+            groups.append(actor)
+            critic = None
+            if with_critic:
+                critic = WorkerGroup(pool, CriticWorker, name_prefix="critic", bundle_share=share,
+                                     init_kwargs=critic_kwargs, env=worker_env_for(cfg), call_timeout_s=timeout,
+                                     init_timeout_s=timeout)
+                groups.append(critic)
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
                             reward_manager=reward_manager, actor_group=actor, critic_group=critic, logger=logger,
                             checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
@@ -115,6 +127,8 @@ def run(cfg: MegarlConfig) -> list[dict]:
         for group in groups:
             group.shutdown()
         if started_ray:
+            from megarl.controller.ray_cluster import shutdown_ray
+
             shutdown_ray()
 
 

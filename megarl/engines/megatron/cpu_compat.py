@@ -9,7 +9,20 @@ laptop or in CI:
 * the CUDA RNG state tracker in ``megatron.core.tensor_parallel.random`` -> a tracker over CPU
   generator states (the model-parallel seeds still differ per TP rank, as on GPU);
 * the default causal mask (built with ``device="cuda"``) -> the same mask on CPU;
-* ``torch.cuda.synchronize`` -> no-op (there is no stream to wait for).
+* ``torch.cuda.synchronize`` -> no-op (there is no stream to wait for);
+* tensors the pipeline schedules create with ``device="cuda"`` (the token counter in
+  ``megatron.core.pipeline_parallel.schedules``) -> CPU, through a module-local ``torch`` proxy;
+* ``Tensor.cuda()`` -> the tensor itself (megatron moves e.g. the last stage's tied output weight
+  "to the current device" with ``.cuda()`` before all-reducing it over the embedding group);
+* ``torch.cuda.Stream`` / ``current_stream`` / ``stream(...)`` / ``Event`` -> one synchronous CPU
+  "stream" whose waits and events are no-ops (the MoE all-to-all token dispatcher moves its split
+  sizes to the host on a side stream);
+* ``megatron.core.transformer.moe.moe_utils`` without Transformer Engine: 0.16 leaves ``te_general_gemm``
+  (and the other fused TE kernels it imports) undefined but tests ``te_general_gemm is not None`` in the
+  router GEMM; we define the missing names as None so the plain matmul path runs;
+* ``megatron.core.transformer.multi_latent_attention.HAVE_TE`` -> False when Transformer Engine is not
+  importable (megatron's TE extension imports with mock placeholders, so the MLA module believes TE is
+  there and calls ``isinstance(..., <mock>)``).
 
 Megatron's pipeline schedules, optimizers and gradient clipping also create small bookkeeping tensors
 with a literal ``device="cuda"`` and check ``param.type() == "torch.cuda.FloatTensor"``. Those are not
@@ -155,11 +168,114 @@ def _patch_causal_mask() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
 
 
+class _CpuDeviceTorch:
+    """``torch`` as seen by one megatron module, with ``device="cuda"`` tensor factories sent to CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+    def __getattr__(self, name):
+        target = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return target
+
+        def factory(*args, device=None, **kwargs):
+            if device is not None and torch.device(device).type == "cuda":
+                device = "cpu"
+            return target(*args, device=device, **kwargs)
+
+        return factory
+
+
+def _patch_schedules_cuda_tensors() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _CpuDeviceTorch()
+
+
+class CpuStream:
+    """Stands in for a CUDA stream on CPU, where every op is already synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None) -> "CpuEvent":
+        return event if event is not None else CpuEvent()
+
+
+class CpuEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_DEFAULT_STREAM = CpuStream()
+
+
+def _patch_streams() -> None:
+    torch.cuda.Stream = CpuStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = CpuEvent  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+
+
+_MOE_TE_NAMES = (
+    "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs",
+    "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+    "fused_unpermute", "te_general_gemm",
+)
+
+
+def _patch_moe_missing_te_names() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in _MOE_TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _patch_mla_have_te() -> None:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+
+
+def _patch_tensor_cuda() -> None:
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
+
+
 _PATCHES = (
     ("torch.cuda.current_device->cpu", _patch_current_device),
     ("torch.cuda.synchronize->noop", _patch_synchronize),
     ("megatron.tensor_parallel.random->cpu_rng", _patch_rng_tracker),
     ("megatron.default_causal_mask->cpu", _patch_causal_mask),
+    ("megatron.pipeline_schedules.cuda_tensors->cpu", _patch_schedules_cuda_tensors),
+    ("torch.Tensor.cuda->identity", _patch_tensor_cuda),
+    ("torch.cuda.streams->synchronous_cpu", _patch_streams),
+    ("megatron.moe_utils.missing_te_kernels->None", _patch_moe_missing_te_names),
+    ("megatron.multi_latent_attention.HAVE_TE->False_without_te", _patch_mla_have_te),
 )
 
 

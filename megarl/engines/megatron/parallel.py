@@ -66,16 +66,20 @@ def device_for_this_process() -> torch.device:
 
 
 def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group from the environment (idempotent)."""
-    if dist.is_initialized():
-        return
+    """Initialise the default process group from the environment (idempotent).
+
+    On a CPU machine the megatron CPU redirections are enabled even when another layer (e.g. the Ray
+    worker bootstrap) already created the process group.
+    """
     use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    else:
+    if not use_cuda:
         from megarl.engines.megatron.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat()
+    if dist.is_initialized():
+        return
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(
         backend=backend or ("nccl" if use_cuda else "gloo"),
         rank=int(os.environ["RANK"]),

@@ -13,6 +13,7 @@ parallelism (use the vLLM engine for throughput).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 
 import torch
@@ -47,6 +48,8 @@ def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tens
         logits = logits.masked_fill(drop, float("-inf"))
     return F.log_softmax(logits, dim=-1)
 
+
+_PER_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 class HFRolloutEngine(RolloutEngine):
     """`AutoModelForCausalLM` from a local directory, sampled with our own KV-cached loop."""
@@ -191,12 +194,34 @@ class HFRolloutEngine(RolloutEngine):
         for name, tensor in named_tensors:
             param = self._params_by_name.get(name)
             if param is None:
+                param = self._fused_expert_slice(name)
+            if param is None:
                 raise KeyError(f"HFRolloutEngine.update_weights: unknown parameter name {name!r}")
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(f"HFRolloutEngine.update_weights: shape mismatch for {name!r}: got "
                                  f"{tuple(tensor.shape)}, model has {tuple(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             self._updated_names.add(name)
+
+    def _fused_expert_slice(self, name: str):
+        """The view of a fused expert parameter that a per-expert checkpoint tensor fills, or None.
+
+        transformers 5 keeps MoE experts fused in memory (``mlp.experts.gate_up_proj`` [E, 2I, H] holding
+        [gate_e; up_e], ``mlp.experts.down_proj`` [E, H, I]) while checkpoints, and so weight sync, name
+        them per expert (``mlp.experts.3.gate_proj.weight``).
+        """
+        match = _PER_EXPERT_NAME.match(name)
+        if match is None:
+            return None
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        if proj == "down_proj":
+            fused = self._params_by_name.get(f"{prefix}.down_proj")
+            return None if fused is None else fused[expert]
+        fused = self._params_by_name.get(f"{prefix}.gate_up_proj")
+        if fused is None:
+            return None
+        gate, up = fused[expert].chunk(2, dim=0)
+        return gate if proj == "gate_proj" else up
 
     def finish_weight_update(self) -> None:
         # Copies are in place and there is no prefix cache, so finishing only closes the session.

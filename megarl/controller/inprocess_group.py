@@ -1,0 +1,50 @@
+"""A one-rank worker group that runs the worker in the driver process, without Ray.
+
+Same calling surface as :class:`megarl.controller.worker_group.WorkerGroup` (``call``, ``world_size``,
+``shutdown``) and the same dispatch/collect rules, for a world of size 1. It exists for machines where Ray
+is not installed (the lent GPU box) and for stepping through a whole training step in one debugger. It
+leaves out everything that needs more than one process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, Mapping
+
+from megarl.controller.dispatch import DPLayout, collect_results, lookup_method_spec, plan_dispatch
+from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class InProcessWorkerGroup:
+    world_size = 1
+
+    def __init__(self, worker_cls: type, *, device: str, init_kwargs: Mapping[str, Any] | None = None,
+                 env: Mapping[str, str] | None = None, name_prefix: str | None = None):
+        self.name = name_prefix or worker_cls.__name__
+        self.worker_cls = worker_cls
+        if "MASTER_PORT" not in os.environ or os.environ.get(ENV_GROUP_NAME) is None:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update({
+            "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", ENV_DEVICE: device,
+            ENV_LOCAL_DEVICE: "0" if device == "cuda" else "", ENV_GROUP_NAME: self.name, ENV_POOL_NODE: "0",
+            **dict(env or {}),
+        })
+        self.worker = worker_cls(**dict(init_kwargs or {}))
+        self._layout = DPLayout.pure_data_parallel(1)
+
+    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        spec = lookup_method_spec(self.worker_cls, method_name)
+        ((rank_args, rank_kwargs),) = plan_dispatch(spec.dispatch, args, kwargs, world_size=1, layout=self._layout,
+                                                     method_name=f"{self.name}.{method_name}")
+        result = getattr(self.worker, method_name)(*rank_args, **rank_kwargs)
+        return collect_results(spec.collect, [result], layout=self._layout, method_name=method_name)
+
+    def shutdown(self) -> None:
+        self.worker = None

@@ -1,0 +1,137 @@
+"""Actor (policy) and reference engines on megatron: log-probs of responses and the PPO/GRPO update.
+
+``ActorEngine.compute_log_probs`` runs forward only; ``update_policy`` runs the PPO loop (epochs x
+mini-batches, one optimizer step per mini-batch) with a policy loss looked up by name in
+``megarl.algorithms`` plus optional entropy bonus and KL-to-reference loss. ``ReferenceEngine`` is a frozen
+copy: same model, no DDP, no optimizer, ``compute_log_probs`` only.
+
+Where results live: log-probs/entropy are computed on the last pipeline stage (every TP rank there holds
+the same values after the vocab-parallel all-reduces) and broadcast over the pipeline group, so every rank
+of a DP replica returns the full ``[B_local, R]`` tensors for its own DP shard. Update metrics are reduced
+over DP and identical on all ranks. Leaves out: rollout-vs-train importance correction (TIS) and dynamic
+batch sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
+from megarl.batch import TrainBatch, select_rows
+from megarl.engines.megatron.engine import (
+    MegatronEngine,
+    average_metrics,
+    check_mini_batches,
+    response_log_probs,
+    split_micro_batches,
+)
+
+
+class _LogProbMixin:
+    def compute_log_probs(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None):
+        """``(log_probs [B, R], entropy [B, R])`` fp32 for this DP shard, on every rank of the replica.
+        Padding positions hold whatever the model gives; mask them with ``response_mask``."""
+        mbs = micro_batch_size or self.micro_batch_size
+        micro_batches = split_micro_batches(batch, mbs, fields=())
+
+        def loss(mb, output):
+            log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
+            return output.new_zeros(()), {"log_probs": log_probs.detach(), "entropy": entropy.detach()}
+
+        reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
+        shape = tuple(batch.response_ids.shape)
+        log_probs = torch.cat([r["log_probs"] for r in reported]) if reported else None
+        entropy = torch.cat([r["entropy"] for r in reported]) if reported else None
+        return self.broadcast_from_last_stage(log_probs, shape), self.broadcast_from_last_stage(entropy, shape)
+
+
+class ReferenceEngine(_LogProbMixin, MegatronEngine):
+    """Frozen policy copy for KL: ``ReferenceEngine(model_provider=..., config=..., micro_batch_size=...)``."""
+
+    def __init__(self, *, model_provider, config, micro_batch_size: int = 1, temperature: float = 1.0,
+                 vocab_size: Optional[int] = None):
+        super().__init__(model_provider=model_provider, config=config, optimizer_config=None,
+                         micro_batch_size=micro_batch_size, temperature=temperature, vocab_size=vocab_size)
+
+
+class ActorEngine(_LogProbMixin, MegatronEngine):
+    """The trainable policy; constructor arguments are :class:`MegatronEngine`'s."""
+
+    def update_policy(
+        self,
+        batch: TrainBatch,
+        *,
+        ppo_epochs: int = 1,
+        mini_batch_size: Optional[int] = None,
+        policy_loss_name: str = "ppo_clip",
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        clip_ratio_c: Optional[float] = None,
+        entropy_coeff: float = 0.0,
+        use_kl_loss: bool = False,
+        kl_loss_coef: float = 0.0,
+        kl_loss_type: str = "low_var_kl",
+        loss_agg_mode: str = "token-mean",
+        norm_length: Optional[int] = None,
+    ) -> dict[str, float]:
+        """PPO loop over this DP shard. ``mini_batch_size`` is in local rows (default: the whole shard);
+        each mini-batch is one optimizer step whose loss is normalised over all DP ranks' rows of that
+        mini-batch. Returns metrics averaged over the steps: pg_loss, pg_clipfrac, ppo_kl, entropy,
+        (kl_loss), loss, grad_norm, lr."""
+        if not self.trainable:
+            raise RuntimeError("update_policy needs an engine built with an optimizer_config")
+        for name in ("old_log_probs", "advantages"):
+            if getattr(batch, name) is None:
+                raise ValueError(f"update_policy: batch.{name} is required")
+        if use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("update_policy: use_kl_loss=True needs batch.ref_log_probs")
+        policy_loss = get_policy_loss(policy_loss_name)
+        rows = len(batch)
+        mini_batch_size = mini_batch_size or rows
+        num_mini = check_mini_batches(rows, mini_batch_size, self.micro_batch_size)
+        norm_length = norm_length or batch.response_ids.shape[1]
+        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss else ())
+
+        names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "ppo_kl_wsum"]
+        if use_kl_loss:
+            names.append("kl_loss")
+        steps = []
+        for _ in range(ppo_epochs):
+            for index in range(num_mini):
+                mini = select_rows(batch, slice(index * mini_batch_size, (index + 1) * mini_batch_size))
+                num_tokens, num_seqs = self.global_counts(mini.response_mask.float())
+                counts = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length)
+
+                def loss(mb, output, counts=counts):
+                    log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
+                    mask = mb["response_mask"]
+                    pg_loss, pg_metrics = policy_loss(
+                        log_probs=log_probs, old_log_probs=mb["old_log_probs"], advantages=mb["advantages"],
+                        response_mask=mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                        clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **counts,
+                    )
+                    entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
+                    total = pg_loss - entropy_coeff * entropy_share if entropy_coeff else pg_loss
+                    n_tok = mask.sum()
+                    reported = {
+                        "pg_loss": pg_loss.detach(), "entropy": entropy_share.detach(),
+                        "pg_clipfrac_wsum": n_tok * pg_metrics["pg_clipfrac"],
+                        "ppo_kl_wsum": n_tok * pg_metrics["ppo_kl"], "num_tokens": n_tok,
+                    }
+                    if use_kl_loss:
+                        kl = kl_penalty(log_probs, mb["ref_log_probs"], kl_loss_type)
+                        kl_share = aggregate_loss(kl, mask, loss_agg_mode, **counts)
+                        total = total + kl_loss_coef * kl_share
+                        reported["kl_loss"] = kl_share.detach()
+                    reported["loss"] = total.detach()
+                    return total, reported
+
+                self.zero_grad()
+                micro_batches = split_micro_batches(mini, self.micro_batch_size, fields)
+                reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
+                metrics = self.reduce_step_metrics(reported, names)
+                metrics.update(self.optimizer_step())
+                steps.append(metrics)
+        return average_metrics(steps)

@@ -1,0 +1,162 @@
+"""Save and load a MegatronEngine with megatron dist-checkpointing (resharding-capable, any TP/PP/DP).
+
+Layout under ``root``::
+
+    root/iter_0000012/        one dist-checkpoint: model chunks, optimizer, LR scheduler, per-rank RNG
+    root/latest               text file with the step of the newest complete checkpoint (written last)
+
+A save writes into ``root/.tmp_iter_XXXXXXX``, and after every rank finished, global rank 0 renames it to
+``iter_XXXXXXX`` (one atomic rename) and then replaces ``latest`` atomically; an interrupted save leaves
+only a ``.tmp_*`` directory, which loading never looks at. ``root`` must be a filesystem shared by all
+ranks. Strategy: megatron's default ``torch_dist`` (torch.distributed.checkpoint) for the sharded tensors,
+which works on CPU/gloo as well as on GPU/NCCL; model weights saved at one layout load at another.
+RNG states are saved per (PP, TP) rank (a ``ShardedObject`` replicated over DP) and only restored when
+the layout matches. Leaves out: async save, and HF-format export (see ``converters/``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.engines.megatron.cpu_compat import cuda_tensors_on_cpu
+
+_LATEST = "latest"
+
+
+def _iter_dir(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {"torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state: dict = {}
+    if len(engine.model) == 1:
+        state["model"] = _unwrap(engine.model[0]).sharded_state_dict()
+        model_state = state["model"]
+    else:
+        model_state = {}
+        for i, chunk in enumerate(engine.model):
+            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+            model_state.update(state[f"model{i}"])
+    if with_optimizer and engine.optimizer is not None:
+        metadata = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+        state["optimizer"] = engine.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                                 metadata=metadata)
+        state["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    if with_rng:
+        pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
+        pp_size, tp_size = mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
+        state["rng_state"] = ShardedObject(
+            "rng_state", [_rng_state()], (pp_size, tp_size), (pp, tp), replica_id=mpu.get_data_parallel_rank(),
+        )
+        state["rng_layout"] = {"pp": pp_size, "tp": tp_size}
+    return state
+
+
+def save_checkpoint(engine, root: str, *, step: int) -> str:
+    """Collective over all ranks: write ``root/iter_<step>`` and point ``latest`` at it. Returns its path."""
+    from megatron.core import dist_checkpointing
+
+    final = os.path.join(root, _iter_dir(step))
+    tmp = os.path.join(root, "." + "tmp_" + _iter_dir(step))
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save of the same step
+        os.makedirs(tmp)
+    dist.barrier()
+    with cuda_tensors_on_cpu():
+        state = _sharded_state_dict(engine, is_loading=False, with_optimizer=True, with_rng=True)
+        state["step"] = step
+        dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker = os.path.join(root, "." + _LATEST + ".tmp")
+        with open(marker, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(marker, os.path.join(root, _LATEST))
+    dist.barrier()
+    return final
+
+
+def latest_step(root: str) -> Optional[int]:
+    """The step named by ``root/latest``, or None when no complete checkpoint exists."""
+    path = os.path.join(root, _LATEST)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected an integer step, found {text!r}") from None
+
+
+def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optimizer: bool = True,
+                    load_rng: bool = True) -> int:
+    """Collective: restore ``engine`` from ``root`` (``latest`` when ``step`` is None). Returns the step.
+
+    A frozen engine (reference) or ``load_optimizer=False`` loads weights only; RNG states are restored only
+    when the checkpoint was written at the same TP/PP layout.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+
+    step = latest_step(root) if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no complete checkpoint under {root} (missing {_LATEST!r} marker)")
+    path = os.path.join(root, _iter_dir(step))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    with_optimizer = load_optimizer and engine.optimizer is not None
+    with cuda_tensors_on_cpu():
+        common = dist_checkpointing.load_common_state_dict(path)
+        layout = common.get("rng_layout")
+        same_layout = layout == {"pp": mpu.get_pipeline_model_parallel_world_size(),
+                                 "tp": mpu.get_tensor_model_parallel_world_size()}
+        request = _sharded_state_dict(engine, is_loading=True, with_optimizer=with_optimizer,
+                                      with_rng=load_rng and same_layout)
+        request.pop("rng_layout", None)
+        loaded = dist_checkpointing.load(request, path)
+        for i, chunk in enumerate(engine.model):
+            key = "model" if len(engine.model) == 1 else f"model{i}"
+            _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if with_optimizer:
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+            engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
+        if load_rng and same_layout:
+            _set_rng_state(loaded["rng_state"][0])
+    return step

@@ -1,0 +1,356 @@
+"""The Megatron training engine core: model chunks, DDP, optimizer, LR schedule, micro-batched fwd/bwd.
+
+``MegatronEngine`` owns what every megatron-backed role shares:
+
+* model chunks built by a ``model_provider(pre_process, post_process, vp_stage)`` callable, one per
+  virtual pipeline stage, wrapped in megatron's ``DistributedDataParallel`` when trainable;
+* ``get_megatron_optimizer`` (Adam/SGD, fp32 or bf16 with fp32 main params, distributed optimizer,
+  weight decay, gradient clipping, all from a megatron ``OptimizerConfig``) and an
+  ``OptimizerParamScheduler`` (warmup, constant/linear/cosine decay, min lr) from ``LRScheduleConfig``;
+* :meth:`MegatronEngine.run_micro_batches`: a ``TrainBatch`` shard split into equal micro-batches and
+  driven by ``get_forward_backward_func()`` with megatron's ``forward_step_func(data_iterator, model) ->
+  (output, loss_func)`` contract, for any PP/VPP. Only the last pipeline stage computes a loss, from its
+  vocab-sharded logits; what the loss reports is broadcast to every rank of the model-parallel replica.
+
+Loss normalisation: every micro-batch loss is its share of the full (mini-)batch loss, i.e. it is divided
+by the token/sequence count of the whole optimizer step over all micro-batches and DP ranks. The schedule
+divides each micro-batch loss by the number of micro-batches and megatron's DDP averages gradients over
+DP; both are undone (the loss fed to backward is multiplied by ``num_microbatches * dp_size``), so the
+accumulated gradient is exactly the gradient of the full-batch loss.
+
+Batches: each DP rank receives its own shard (the controller splits by ``dp_rank``); all TP/PP ranks of
+one replica receive the same shard. Leaves out: context parallelism (cp must be 1), sequence packing and
+token-budget micro-batching (micro-batches are fixed-size rows padded to the batch's P + R).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megarl.batch import TrainBatch
+from megarl.engines.megatron.cpu_compat import cuda_tensors_on_cpu
+from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
+from megarl.engines.megatron.parallel import current_rank_info, device_for_this_process
+
+ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
+# loss(micro_batch, output_of_last_stage) -> (scalar share of the step loss, {name: detached tensor})
+MicroBatchLoss = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """Megatron ``OptimizerParamScheduler`` settings; the peak lr is ``OptimizerConfig.lr``."""
+
+    warmup_steps: int = 0
+    decay_steps: Optional[int] = None  # None: warmup_steps + 1 (only matters for non-constant styles)
+    decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root
+    min_lr: float = 0.0
+    init_lr: float = 0.0  # lr at step 0 of the warmup
+
+    def __post_init__(self):
+        styles = ("constant", "linear", "cosine", "inverse-square-root")
+        if self.decay_style not in styles:
+            raise ValueError(f"LRScheduleConfig.decay_style {self.decay_style!r} not in {styles}")
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"LRScheduleConfig.decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})"
+            )
+
+
+def build_model_chunks(
+    *, model_provider: ModelProvider, config, ddp_config=None, wrap_with_ddp: bool = True,
+    chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None,
+) -> list[torch.nn.Module]:
+    """One model per virtual pipeline stage of this rank (megatron-LM ``get_model`` semantics).
+
+    ``chunk_hook(module, post_process)`` may edit a chunk before DDP wrapping (the critic swaps its head).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp is not None else None
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        module = model_provider(pre, post, stage)
+        if chunk_hook is not None:
+            chunk_hook(module, post)
+        module.to(device_for_this_process())
+        for param in module.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunks.append(module)
+    if not wrap_with_ddp:
+        return chunks
+    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    wrapped = [
+        # Only the first chunk gets buckets, as in megatron-LM (later chunks' grads overlap with compute).
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()  # DP replicas start from identical weights whatever their init RNG did
+    return wrapped
+
+
+def build_lr_scheduler(optimizer, optimizer_config, schedule: LRScheduleConfig):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_steps = schedule.decay_steps or schedule.warmup_steps + 1
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=schedule.init_lr if schedule.warmup_steps > 0 else optimizer_config.lr,
+        max_lr=optimizer_config.lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=schedule.decay_style,
+        start_wd=optimizer_config.weight_decay,
+        end_wd=optimizer_config.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )
+
+
+def split_micro_batches(batch: TrainBatch, micro_batch_size: int, fields: Iterable[str]) -> list[dict]:
+    """Equal-size micro-batches of model inputs plus the named per-token fields (missing ones are None)."""
+    rows = len(batch)
+    if rows == 0 or rows % micro_batch_size:
+        raise ValueError(f"batch of {rows} rows is not a positive multiple of micro_batch_size={micro_batch_size}")
+    device = device_for_this_process()
+    input_ids, attention_mask, position_ids = batch.input_ids, batch.attention_mask, batch.position_ids
+    prompt_len = batch.prompt_ids.shape[1]
+    extra = {name: getattr(batch, name) for name in fields}
+    micro_batches = []
+    for start in range(0, rows, micro_batch_size):
+        sl = slice(start, start + micro_batch_size)
+        mb = {
+            "input_ids": input_ids[sl].to(device),
+            "position_ids": position_ids[sl].to(device),
+            "attention_mask": build_attention_mask(attention_mask[sl]).to(device),
+            "response_ids": batch.response_ids[sl].to(device),
+            "response_mask": batch.response_mask[sl].to(device).float(),
+            "prompt_len": prompt_len,
+        }
+        for name, value in extra.items():
+            mb[name] = None if value is None else value[sl].to(device).float()
+        micro_batches.append(mb)
+    return micro_batches
+
+
+def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean mask ``[B, 1, S, S]`` (True = masked): causal, and padding keys masked out."""
+    seq = attention_mask.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+    pad_keys = ~attention_mask.bool()[:, None, None, :]
+    return causal[None, None] | pad_keys
+
+
+def response_log_probs(output: torch.Tensor, mb: dict, temperature: float,
+                       vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy ``[b, R]`` of the response tokens from vocab-sharded logits ``[b, S, V/tp]``."""
+    from megatron.core import parallel_state as mpu
+
+    start = mb["prompt_len"] - 1  # the logit at position t predicts token t + 1
+    logits = output[:, start:-1, :]
+    return compute_vocab_parallel_log_probs(
+        logits, mb["response_ids"], tp_group=mpu.get_tensor_model_parallel_group(), temperature=temperature,
+        vocab_size=vocab_size,
+    )
+
+
+class MegatronEngine:
+    """Model chunks + (optionally) optimizer and LR schedule on one rank; see the module docstring.
+
+    Constructed on every rank of the world after :func:`initialize_megatron_parallel`. ``optimizer_config``
+    None means a frozen engine (no DDP, no optimizer, parameters do not require grad).
+    """
+
+    def __init__(
+        self,
+        *,
+        model_provider: ModelProvider,
+        config,
+        optimizer_config=None,
+        lr_schedule: Optional[LRScheduleConfig] = None,
+        ddp_config=None,
+        micro_batch_size: int = 1,
+        temperature: float = 1.0,
+        chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None,
+        vocab_size: Optional[int] = None,
+    ):
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_context_parallel_world_size() != 1:
+            raise NotImplementedError("context parallelism is not supported by MegatronEngine yet (cp must be 1)")
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.config = config
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.vocab_size = vocab_size  # unpadded; None when the model has no vocabulary padding
+        self.trainable = optimizer_config is not None
+        self.rank_info = current_rank_info()
+        if mpu.get_pipeline_model_parallel_world_size() > 1 and config.pipeline_dtype is None:
+            config.pipeline_dtype = config.params_dtype
+        with cuda_tensors_on_cpu():
+            self.model = build_model_chunks(
+                model_provider=model_provider, config=config, ddp_config=ddp_config,
+                wrap_with_ddp=self.trainable, chunk_hook=chunk_hook,
+            )
+        self.optimizer = None
+        self.lr_scheduler = None
+        if self.trainable:
+            self._setup_optimizer(optimizer_config, lr_schedule or LRScheduleConfig())
+        else:
+            for chunk in self.model:
+                chunk.requires_grad_(False)
+                chunk.eval()
+
+    def _setup_optimizer(self, optimizer_config, lr_schedule: LRScheduleConfig) -> None:
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        if self.model[0].ddp_config.use_distributed_optimizer != optimizer_config.use_distributed_optimizer:
+            raise ValueError(
+                "ddp_config.use_distributed_optimizer must equal optimizer_config.use_distributed_optimizer"
+            )
+        # Megatron's param groups carry their own min_lr (read by the scheduler); keep one source of truth.
+        optimizer_config = dataclasses.replace(optimizer_config, min_lr=lr_schedule.min_lr)
+        self.optimizer_config = optimizer_config
+        with cuda_tensors_on_cpu():
+            self.optimizer = get_megatron_optimizer(optimizer_config, self.model)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, optimizer_config, lr_schedule)
+        # The schedule calls these at the end of backward: DP grad all-reduce, tied-embedding and
+        # sequence-parallel layernorm grad reductions.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
+        if len(self.model) == 1:
+            self.config.no_sync_func = self.config.no_sync_func[0]
+
+    # ------------------------------------------------------------------ fwd/bwd
+
+    def run_micro_batches(
+        self, micro_batches: list[dict], *, loss: MicroBatchLoss, forward_only: bool,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Drive megatron's schedule over ``micro_batches``; returns ``loss``'s reported dicts per micro-batch
+        on the last pipeline stage and an empty list elsewhere. ``loss`` returns the step-loss share."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        num_mb = len(micro_batches)
+        dp_size = mpu.get_data_parallel_world_size()
+
+        def loss_func(mb, output):
+            share, reported = loss(mb, output)
+            # Undo the schedule's 1/num_microbatches and DDP's 1/dp averaging: grads must SUM shares.
+            return share * (num_mb * dp_size), reported
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
+                           attention_mask=mb["attention_mask"])
+            return output, partial(loss_func, mb)
+
+        seq_length = micro_batches[0]["input_ids"].shape[1]
+        if self.config.sequence_parallel and seq_length % mpu.get_tensor_model_parallel_world_size():
+            raise ValueError(f"sequence_parallel needs P + R ({seq_length}) divisible by tensor_parallel")
+        iterators = [iter(micro_batches) for _ in self.model]
+        for chunk in self.model:
+            chunk.train(not forward_only)
+        grad_context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_context, cuda_tensors_on_cpu():
+            reported = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=num_mb,
+                seq_length=seq_length,
+                micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+                forward_only=forward_only,
+            )
+        return list(reported) if mpu.is_pipeline_last_stage(ignore_virtual=True) else []
+
+    def zero_grad(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """One optimizer + LR-scheduler step; returns grad_norm (pre-clip, global) and the lr used."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        with cuda_tensors_on_cpu():
+            success, grad_norm, _ = self.optimizer.step()
+        if not success:
+            raise FloatingPointError("megatron optimizer step was skipped (inf/nan gradients)")
+        self.lr_scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
+
+    # ------------------------------------------------------------------ collectives over the replica
+
+    def broadcast_from_last_stage(self, tensor: Optional[torch.Tensor], shape, dtype=torch.float32) -> torch.Tensor:
+        """The last pipeline stage's ``tensor`` on every PP rank (TP ranks of that stage already agree)."""
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            tensor = torch.empty(shape, dtype=dtype, device=device_for_this_process())
+        tensor = tensor.contiguous()
+        dist.broadcast(tensor, src=mpu.get_pipeline_model_parallel_last_rank(),
+                       group=mpu.get_pipeline_model_parallel_group())
+        return tensor
+
+    def global_counts(self, response_mask: torch.Tensor) -> tuple[float, float]:
+        """(tokens, sequences with >= 1 token) of this step summed over the DP group."""
+        from megatron.core import parallel_state as mpu
+
+        counts = torch.tensor([response_mask.sum().item(), (response_mask.sum(-1) > 0).sum().item()],
+                              dtype=torch.float64, device=device_for_this_process())
+        dist.all_reduce(counts, group=mpu.get_data_parallel_group())
+        return float(counts[0]), float(counts[1])
+
+    def reduce_step_metrics(self, reported: list[dict[str, torch.Tensor]], names: list[str]) -> dict[str, float]:
+        """Sum the per-micro-batch entries (shares or token-weighted sums) over micro-batches and DP, divide
+        the ``*_wsum`` entries by the summed ``num_tokens`` and broadcast the result over PP."""
+        from megatron.core import parallel_state as mpu
+
+        keys = names + ["num_tokens"]
+        local = torch.zeros(len(keys), dtype=torch.float64, device=device_for_this_process())
+        for entry in reported:
+            local += torch.stack([entry[k].double().reshape(()) for k in keys])
+        local = self.broadcast_from_last_stage(local if reported else None, (len(keys),), torch.float64)
+        dist.all_reduce(local, group=mpu.get_data_parallel_group())
+        totals = dict(zip(keys, local.tolist()))
+        out = {}
+        for name in names:
+            if name.endswith("_wsum"):
+                out[name[: -len("_wsum")]] = totals[name] / max(totals["num_tokens"], 1.0)
+            else:
+                out[name] = totals[name]
+        return out
+
+
+def average_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    if not steps:
+        return {}
+    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+
+def check_mini_batches(rows: int, mini_batch_size: int, micro_batch_size: int) -> int:
+    """Number of mini-batches (optimizer steps per epoch); sizes are local to this DP rank."""
+    if mini_batch_size < 1 or rows % mini_batch_size:
+        raise ValueError(f"mini_batch_size={mini_batch_size} must divide the {rows} local rows")
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(f"micro_batch_size={micro_batch_size} must divide mini_batch_size={mini_batch_size}")
+    return math.ceil(rows / mini_batch_size)

@@ -1,0 +1,59 @@
+"""Shared pieces of the engine tests: a tiny GPT provider, fp32 engine configs and a fixed synthetic batch."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+PROMPT_LEN = 6
+RESPONSE_LEN = 6
+
+
+def tiny_config(*, tp: int = 1, pp: int = 1, vpp=None, num_layers: int = 2):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, gated_linear_unit=True, add_bias_linear=False,
+        normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0, bf16=False,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32 if pp > 1 else None,
+    )
+
+
+def gpt_provider(config, *, seed: int = 11, tie: bool = False):
+    """A model_provider re-seeding before each chunk. With use_cpu_initialization the TP shards are slices of
+    the same master weights, so TP=1 and TP=2 hold identical models; PP stages re-seed per chunk and so do
+    NOT match PP=1 (those tests load a checkpoint instead)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    def provide(pre_process, post_process, vp_stage):
+        torch.manual_seed(seed)
+        return GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+            max_sequence_length=64, position_embedding_type="rope", pre_process=pre_process,
+            post_process=post_process, share_embeddings_and_output_weights=tie, vp_stage=vp_stage,
+        )
+
+    return provide
+
+
+def synthetic_batch(rows: int = 8, seed: int = 0):
+    from megarl.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(1, VOCAB, (rows, PROMPT_LEN), generator=g)
+    response_ids = torch.randint(1, VOCAB, (rows, RESPONSE_LEN), generator=g)
+    prompt_lens = torch.randint(2, PROMPT_LEN + 1, (rows,), generator=g)
+    resp_lens = torch.randint(1, RESPONSE_LEN + 1, (rows,), generator=g)
+    prompt_mask = (torch.arange(PROMPT_LEN)[None] >= PROMPT_LEN - prompt_lens[:, None]).long()
+    response_mask = (torch.arange(RESPONSE_LEN)[None] < resp_lens[:, None]).long()
+    prompt_ids = prompt_ids * prompt_mask
+    response_ids = response_ids * response_mask
+    batch = TrainBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                       response_mask=response_mask, group_ids=[str(i // 4) for i in range(rows)])
+    batch.advantages = torch.randn(rows, 1, generator=g).expand(rows, RESPONSE_LEN).clone() * response_mask
+    batch.returns = torch.randn(rows, RESPONSE_LEN, generator=g) * response_mask
+    return batch
