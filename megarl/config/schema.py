@@ -55,6 +55,8 @@ class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_layers_in_first_pipeline_stage: Optional[int] = None  # uneven split (e.g. DeepSeek-V3: dense + embedding)
+    num_layers_in_last_pipeline_stage: Optional[int] = None
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None

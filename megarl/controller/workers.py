@@ -69,6 +69,9 @@ def ddp_config(m: MegatronConfig):
 
 def transformer_overrides(m: MegatronConfig) -> dict:
     overrides = {"sequence_parallel": m.sequence_parallel}
+    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        if getattr(m, key) is not None:
+            overrides[key] = getattr(m, key)
     if m.recompute_granularity:
         overrides.update(recompute_granularity=m.recompute_granularity)
         if m.recompute_granularity == "full":

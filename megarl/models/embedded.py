@@ -20,6 +20,8 @@ from megarl.data.tokenizer import EOS_TOKEN, PAD_TOKEN, build_char_tokenizer, lo
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_SEED = 1234
+# Part of the cache path: bump it whenever what _write_model_dir writes changes, so old caches are not reused.
+EMBEDDED_FORMAT = "v2"
 # Seeding and drawing the init go through torch's global RNG: two threads building at once would interleave
 # draws and get different weights. Processes are safe (own RNG); the rename handles them.
 _BUILD_LOCK = threading.Lock()
@@ -59,7 +61,7 @@ def ensure_embedded_model(name: str = "tiny-qwen2", root: str | Path | None = No
     if name not in _EMBEDDED_SPECS:
         raise ValueError(f"unknown embedded model {name!r}; known: {embedded_model_names()}")
     parent = Path(root) if root is not None else default_cache_root() / "embedded"
-    target = parent / name
+    target = parent / f"{name}-{EMBEDDED_FORMAT}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     with _BUILD_LOCK:
@@ -134,5 +136,7 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     # Only token ids, no sampling defaults: vLLM applies generation_config sampling fields over the caller's.
-    GenerationConfig(bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id).save_pretrained(out)
+    # <|endoftext|> also ends generation (as in Qwen): otherwise a policy learns to fill its answer with it,
+    # since decoding with skip_special_tokens hides it from the reward.
+    GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id).save_pretrained(out)
     write_local_tokenizer(out)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.data.tokenizer import ALPHABET, build_char_tokenizer
-from megarl.models.embedded import ensure_embedded_model, resolve_model_path, round_up_vocab
+from megarl.models.embedded import EMBEDDED_FORMAT, ensure_embedded_model, resolve_model_path, round_up_vocab
 
 MODEL_FILES = ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
                "tokenizer.json", "tokenizer_config.json"]
@@ -76,9 +76,9 @@ def test_concurrent_builds_agree_and_leave_no_staging_dirs(model_dir, tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert results == [tmp_path / "tiny-qwen2"] * 2
-    assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen2"]
-    assert (tmp_path / "tiny-qwen2" / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
+    assert results == [tmp_path / f"tiny-qwen2-{EMBEDDED_FORMAT}"] * 2
+    assert [p.name for p in tmp_path.iterdir()] == [f"tiny-qwen2-{EMBEDDED_FORMAT}"]
+    assert (tmp_path / f"tiny-qwen2-{EMBEDDED_FORMAT}" / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
 
 
 def test_interrupted_build_leftovers_are_ignored(tmp_path):
@@ -86,13 +86,13 @@ def test_interrupted_build_leftovers_are_ignored(tmp_path):
     stale.mkdir()
     (stale / "config.json").write_text("{half")
     built = ensure_embedded_model(root=tmp_path)
-    assert built == tmp_path / "tiny-qwen2" and (built / "model.safetensors").is_file()
+    assert built == tmp_path / f"tiny-qwen2-{EMBEDDED_FORMAT}" and (built / "model.safetensors").is_file()
 
 
 def test_resolve_model_path(tmp_path, monkeypatch, model_dir):
     monkeypatch.setenv("MEGARL_CACHE", str(tmp_path / "cache"))
     resolved = resolve_model_path("embedded:tiny-qwen2")
-    assert resolved == tmp_path / "cache" / "embedded" / "tiny-qwen2"
+    assert resolved == tmp_path / "cache" / "embedded" / f"tiny-qwen2-{EMBEDDED_FORMAT}"
     assert resolve_model_path(str(model_dir)) == model_dir
     with pytest.raises(ValueError, match="unknown embedded model 'nope'"):
         resolve_model_path("embedded:nope")
