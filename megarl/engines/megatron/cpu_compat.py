@@ -22,7 +22,10 @@ laptop or in CI:
   router GEMM; we define the missing names as None so the plain matmul path runs;
 * ``megatron.core.transformer.multi_latent_attention.HAVE_TE`` -> False when Transformer Engine is not
   importable (megatron's TE extension imports with mock placeholders, so the MLA module believes TE is
-  there and calls ``isinstance(..., <mock>)``).
+  there and calls ``isinstance(..., <mock>)``);
+* ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`` -> also converts tensors already on CPU
+  (on GPU the all-to-all split sizes become numpy arrays on their way to the host; on CPU they stayed
+  tensors, which ``all_to_all_single`` rejects).
 
 Megatron's pipeline schedules, optimizers and gradient clipping also create small bookkeeping tensors
 with a literal ``device="cuda"`` and check ``param.type() == "torch.cuda.FloatTensor"``. Those are not
@@ -262,6 +265,20 @@ def _patch_mla_have_te() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
+def _patch_moe_host_splits() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
+
+
 def _patch_tensor_cuda() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
 
@@ -276,6 +293,7 @@ _PATCHES = (
     ("torch.cuda.streams->synchronous_cpu", _patch_streams),
     ("megatron.moe_utils.missing_te_kernels->None", _patch_moe_missing_te_names),
     ("megatron.multi_latent_attention.HAVE_TE->False_without_te", _patch_mla_have_te),
+    ("megatron.moe.all_to_all_splits->host_numpy", _patch_moe_host_splits),
 )
 
 

@@ -1,0 +1,53 @@
+"""Block-wise FP8 dequantisation (the DeepSeek-V3 checkpoint format).
+
+DeepSeek-V3 stores most linear weights as ``weight`` (float8_e4m3fn, [out, in]) plus
+``weight_scale_inv`` (float32, [ceil(out/128), ceil(in/128)]): the real weight of block (i, j) is
+``float(weight[block]) * weight_scale_inv[i, j]``. Edge blocks are partial when out/in are not
+multiples of the block size. We compute in float32 (the product is exact to fp32 rounding, which is
+what the reference inference code does) and round once to the requested dtype, one band of block rows
+at a time so that the float32 temporary is a band, not the whole matrix.
+
+Left out: other quantisation schemes (per-tensor FP8, MXFP4, GPTQ ...): they raise upstream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_block_size(quantization_config: dict | None) -> tuple[int, int]:
+    """(rows, cols) of one scale block from an HF ``quantization_config`` (default 128x128)."""
+    if not quantization_config:
+        return (128, 128)
+    method = quantization_config.get("quant_method", "fp8")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method={method!r} is not supported (only block-wise 'fp8')")
+    block = quantization_config.get("weight_block_size") or [128, 128]
+    if len(block) != 2:
+        raise ValueError(f"quantization_config.weight_block_size must have two entries, got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def dequantize_fp8_blockwise(weight: torch.Tensor, scale_inv: torch.Tensor, *, dtype: torch.dtype,
+                             block: tuple[int, int] = (128, 128), name: str = "weight") -> torch.Tensor:
+    if weight.dtype not in FP8_DTYPES:
+        raise ValueError(f"{name}: expected an fp8 weight, got {weight.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: block-wise fp8 needs a 2-D weight, got shape {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    br, bc = block
+    expected = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != expected:
+        raise ValueError(f"{name}{SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}, expected {expected} for a "
+                         f"{rows}x{cols} weight in {br}x{bc} blocks")
+    scale = scale_inv.to(torch.float32)
+    out = torch.empty((rows, cols), dtype=dtype)
+    for i in range(expected[0]):
+        r0, r1 = i * br, min(rows, (i + 1) * br)
+        # One band of block rows: expand its scales along columns, trimmed to the real width.
+        band_scale = scale[i].repeat_interleave(bc)[:cols]
+        out[r0:r1] = (weight[r0:r1].to(torch.float32) * band_scale).to(dtype)
+    return out

@@ -1,0 +1,291 @@
+"""Convert a Hugging Face safetensors checkpoint into the per-rank megatron format, streaming.
+
+Plan first, on meta tensors: for every global megatron parameter the bridge lists, find its HF source
+tensors (headers only), compute the full and per-TP-rank shapes by running the bridge's own
+fuse/shard functions on ``device="meta"`` tensors, and place it on its (pp, ep) rank. Each (pp, ep)
+rank group becomes one or more tasks; a task writes one file per TP rank, each at most
+``max_file_bytes``. Then execute: a task reads the HF tensors of ONE global parameter (pread, no mmap),
+dequantises FP8 blocks if needed, fuses them into the full tensor, cuts the TP shards and appends each
+to its file; the tensor is dropped before the next one is read. Peak memory per worker is therefore a
+small multiple (about 3x: sources + fused + shards) of the largest single parameter, independent of
+model size and file size. ``memory_budget_bytes`` caps the number of concurrent workers accordingly
+(and refuses a budget smaller than one worker needs).
+
+DeepSeek-V3: ``weight`` float8_e4m3fn + ``weight_scale_inv`` are dequantised to bf16 (or ``dtype``);
+the multi-token-prediction layers (``model.layers.{>= num_hidden_layers}``) are skipped and counted in
+the log. Every other HF tensor must be consumed: leftovers raise, naming them.
+
+Left out: uneven pipeline splits, virtual pipeline stages, expert-TP different from TP, MTP conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megarl.models import mcore_checkpoint as fmt
+from megarl.models.convert.execution import OutputFile, Task, hash_plan, note_tensor_written, run_tasks
+from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blockwise, fp8_block_size
+from megarl.models.convert.hf_index import INDEX_FILE, index_hf_safetensors
+from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
+from megarl.models.convert.safetensors_stream import (
+    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_tensor,
+)
+
+logger = logging.getLogger(__name__)
+
+# Sources + fused full tensor + TP shards are alive together while one parameter is converted.
+TRANSIENT_COPIES = 3
+_ASSET_MAX_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Source:
+    hf_name: str
+    location: TensorLocation
+    scale: Optional[TensorLocation] = None  # the FP8 block scales, when the weight is FP8
+
+
+@dataclass(frozen=True)
+class Entry:
+    global_name: str
+    local_name: str
+    sources: tuple[Source, ...]
+    full_nbytes: int
+
+
+@dataclass(frozen=True)
+class ConversionOptions:
+    tp: int
+    pp: int
+    ep: int
+    dtype: Optional[torch.dtype] = None  # None: keep each HF dtype (FP8 -> bfloat16)
+    spec: str = "local"
+    max_file_bytes: int = 4 * 10**9
+
+
+def read_hf_config_dict(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{hf_dir}: no config.json")
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def _bridge(hf_config: dict, spec: str):
+    from megarl.models.bridge import ModelBridge
+
+    return ModelBridge.from_hf_config(dict(hf_config), spec=spec)
+
+
+def _output_dtype(location: TensorLocation, options: ConversionOptions) -> torch.dtype:
+    if options.dtype is not None and (location.dtype.is_floating_point or location.dtype in FP8_DTYPES):
+        return options.dtype
+    return torch.bfloat16 if location.dtype in FP8_DTYPES else location.dtype
+
+
+def _sources_for(bridge, global_name: str, locations: dict[str, TensorLocation]) -> tuple[Source, ...]:
+    sources = []
+    for hf_name in bridge.hf_names_for(global_name):
+        location = locations.get(hf_name)
+        if location is None:
+            raise ValueError(f"HF checkpoint has no tensor {hf_name!r} (needed for {global_name})")
+        scale = locations.get(hf_name + SCALE_SUFFIX)
+        if location.dtype in FP8_DTYPES and scale is None:
+            raise ValueError(f"{hf_name} is {location.dtype} but there is no {hf_name + SCALE_SUFFIX} "
+                             "(only block-wise FP8 with scale_inv is supported)")
+        sources.append(Source(hf_name, location, scale if location.dtype in FP8_DTYPES else None))
+    return tuple(sources)
+
+
+def _check_all_consumed(bridge, locations: dict[str, TensorLocation], consumed: set[str]) -> None:
+    leftovers = sorted(set(locations) - consumed)
+    skipped_mtp = [n for n in leftovers if bridge.is_skipped_hf_name(n)]
+    tied_head = [n for n in leftovers if n == "lm_head.weight" and bridge.tied_embeddings]
+    unknown = [n for n in leftovers if n not in skipped_mtp and n not in tied_head]
+    if unknown:
+        raise ValueError(f"HF checkpoint has {len(unknown)} tensor(s) the {bridge.hf_architecture} bridge does "
+                         f"not map: {unknown[:8]}")
+    if skipped_mtp:
+        logger.info("skipped %d multi-token-prediction tensor(s) (model.layers.%d+)", len(skipped_mtp),
+                    bridge.dims.num_layers)
+    if tied_head:
+        logger.info("skipped lm_head.weight: embeddings are tied")
+
+
+def plan_hf_to_mcore(bridge, locations: dict[str, TensorLocation], options: ConversionOptions) -> list[Task]:
+    tp, pp, ep = options.tp, options.pp, options.ep
+    per_unit: dict[tuple[int, int], list[tuple[Entry, list[PlannedTensor]]]] = {}
+    consumed: set[str] = set()
+    for global_name in bridge.iter_global_mcore_names():
+        sources = _sources_for(bridge, global_name, locations)
+        consumed.update(s.hf_name for s in sources)
+        consumed.update(s.scale.name for s in sources if s.scale is not None)
+        metas = {s.hf_name: torch.empty(s.location.shape, dtype=_output_dtype(s.location, options), device="meta")
+                 for s in sources}
+        full = bridge.hf_to_mcore(global_name, metas)
+        shards = [bridge.shard_tp(global_name, full, r, tp) for r in range(tp)]
+        full_nbytes = full.numel() * full.element_size()
+        for placement in place_global_tensor(bridge, global_name, pp=pp, ep=ep):
+            entry = Entry(global_name, placement.local_name, sources, full_nbytes)
+            planned = [PlannedTensor(placement.local_name, s.dtype, tuple(s.shape)) for s in shards]
+            per_unit.setdefault((placement.pp_rank, placement.ep_rank), []).append((entry, planned))
+    _check_all_consumed(bridge, locations, consumed)
+    tasks = []
+    for (pp_rank, ep_rank), items in sorted(per_unit.items()):
+        parts: list[list[tuple[Entry, list[PlannedTensor]]]] = [[]]
+        part_bytes = 0
+        for item in items:
+            largest_shard = max(t.nbytes for t in item[1])
+            if parts[-1] and part_bytes + largest_shard > options.max_file_bytes:
+                parts.append([])
+                part_bytes = 0
+            parts[-1].append(item)
+            part_bytes += largest_shard
+        names = fmt.rank_file_names(len(parts))
+        for index, part in enumerate(parts):
+            files = tuple(
+                OutputFile(f"{fmt.rank_dir_name(tp_rank, pp_rank, ep_rank)}/{names[index]}",
+                           tuple(planned[tp_rank] for _, planned in part))
+                for tp_rank in range(tp))
+            tasks.append(Task(f"pp{pp_rank}-ep{ep_rank}-part{index}", files, tuple(e for e, _ in part)))
+    return tasks
+
+
+def peak_bytes_per_worker(tasks: list[Task]) -> int:
+    largest = max(entry.full_nbytes for task in tasks for entry in task.payload)
+    return TRANSIENT_COPIES * largest
+
+
+# ---------------------------------------------------------------------------------------- execution
+@dataclass
+class _Context:
+    bridge: object
+    options: ConversionOptions
+    out_dir: str
+    fp8_block: tuple[int, int]
+
+
+def _make_context(hf_config: dict, options: ConversionOptions, out_dir: str) -> _Context:
+    return _Context(_bridge(hf_config, options.spec), options, out_dir,
+                    fp8_block_size(hf_config.get("quantization_config")))
+
+
+def _load_source(source: Source, context: _Context) -> torch.Tensor:
+    tensor = read_tensor(source.location)
+    out_dtype = _output_dtype(source.location, context.options)
+    if source.scale is not None:
+        return dequantize_fp8_blockwise(tensor, read_tensor(source.scale), dtype=out_dtype,
+                                        block=context.fp8_block, name=source.hf_name)
+    return tensor if tensor.dtype == out_dtype else tensor.to(out_dtype)
+
+
+def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
+    bridge, tp = context.bridge, context.options.tp
+    writers = [StreamingSafetensorsWriter(os.path.join(context.out_dir, f.rel_path), list(f.tensors))
+               for f in task.files]
+    try:
+        for entry in task.payload:
+            hf_tensors = {s.hf_name: _load_source(s, context) for s in entry.sources}
+            full = bridge.hf_to_mcore(entry.global_name, hf_tensors)
+            del hf_tensors
+            for tp_rank, writer in enumerate(writers):
+                writer.add(entry.local_name, bridge.shard_tp(entry.global_name, full, tp_rank, tp))
+                note_tensor_written()
+            del full
+        return [(f.rel_path, *writer.close()) for f, writer in zip(task.files, writers)]
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+
+
+def _copy_hf_assets(hf_dir: str, out_dir: str) -> list[str]:
+    """Tokenizer / generation config files travel with the checkpoint so mcore_to_hf can restore them."""
+    copied = []
+    target = os.path.join(out_dir, fmt.HF_ASSETS_DIR)
+    for name in sorted(os.listdir(hf_dir)):
+        path = os.path.join(hf_dir, name)
+        if (not os.path.isfile(path) or name.endswith(".safetensors") or name == INDEX_FILE
+                or ".tmp-" in name or os.path.getsize(path) > _ASSET_MAX_BYTES):
+            continue
+        os.makedirs(target, exist_ok=True)
+        shutil.copyfile(path, os.path.join(target, name))
+        copied.append(name)
+    return copied
+
+
+def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+                        ep: int = 1, dtype: Optional[torch.dtype] = None, spec: str = "local", workers: int = 1,
+                        memory_budget_bytes: Optional[int] = None, max_file_bytes: int = 4 * 10**9) -> dict:
+    """Convert; returns the metadata written. Resumes an interrupted run into the same ``out_dir``."""
+    hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
+    for value, what in ((tp, "tp"), (pp, "pp"), (ep, "ep"), (workers, "workers")):
+        if value < 1:
+            raise ValueError(f"{what} must be >= 1, got {value}")
+    if spec not in ("local", "te"):
+        raise ValueError(f"spec must be 'local' or 'te', got {spec!r}")
+    meta_path = os.path.join(out_dir, fmt.METADATA_FILE)
+    if os.path.isfile(meta_path):
+        raise FileExistsError(f"{meta_path} exists: {out_dir} already holds a finished checkpoint")
+    hf_config = read_hf_config_dict(hf_dir)
+    options = ConversionOptions(tp=tp, pp=pp, ep=ep, dtype=dtype, spec=spec, max_file_bytes=max_file_bytes)
+    bridge = _bridge(hf_config, spec)
+    stages = pipeline_layers(bridge.dims.num_layers, pp)
+    local_experts = num_local_experts(bridge.dims.num_experts, ep)
+    locations = index_hf_safetensors(hf_dir)
+    tasks = plan_hf_to_mcore(bridge, locations, options)
+    per_worker = peak_bytes_per_worker(tasks)
+    if memory_budget_bytes is not None:
+        if per_worker > memory_budget_bytes:
+            raise ValueError(f"memory budget {memory_budget_bytes / 2**20:.0f} MiB is below what one worker needs "
+                             f"(~{per_worker / 2**20:.0f} MiB: {TRANSIENT_COPIES}x the largest parameter)")
+        fitting = max(1, memory_budget_bytes // per_worker)
+        if fitting < workers:
+            logger.info("memory budget allows %d concurrent worker(s), not %d", fitting, workers)
+            workers = int(fitting)
+    plan_hash = hash_plan(tasks, {"direction": "hf_to_mcore", "options": options.__dict__, "sources": sorted(
+        (loc.name, os.path.basename(loc.path), loc.start, loc.end) for loc in locations.values())})
+    stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
+                      context_args=(hf_config, options, out_dir), run_task=_run_task,
+                      description="hf->mcore")
+    assets = _copy_hf_assets(hf_dir, out_dir)
+    metadata = _metadata(bridge, hf_config, options, stages, local_experts, tasks, stats.records, assets,
+                         fp8=any(loc.dtype in FP8_DTYPES for loc in locations.values()))
+    fmt.write_metadata(out_dir, metadata)
+    os.remove(os.path.join(out_dir, ".convert_progress.jsonl"))
+    logger.info("wrote %s: %d files, %.2f GB (%d tasks resumed as done)", out_dir,
+                sum(len(t.files) for t in tasks), stats.bytes_written / 1e9, stats.tasks_skipped)
+    return metadata
+
+
+def _metadata(bridge, hf_config, options, stages, local_experts, tasks, records, assets, *, fp8: bool) -> dict:
+    ranks: dict[str, dict] = {fmt.rank_dir_name(t, p, e): {"files": {}, "tensors": {}}
+                              for t in range(options.tp) for p in range(options.pp) for e in range(options.ep)}
+    dtypes = set()
+    for task in tasks:
+        for out in task.files:
+            rank = out.rel_path.split("/")[0]
+            record = records[out.rel_path]
+            ranks[rank]["files"][out.rel_path] = {"size": record.size, "crc32": record.crc32}
+            for entry, planned in zip(task.payload, out.tensors):
+                dtypes.add(str(planned.dtype).removeprefix("torch."))
+                ranks[rank]["tensors"][entry.local_name] = {
+                    "file": out.rel_path, "global": entry.global_name,
+                    "expert": bool(bridge.is_expert_param(entry.global_name))}
+    return {
+        "format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "arch": bridge.hf_architecture,
+        "hf_config": hf_config, "tp": options.tp, "pp": options.pp, "ep": options.ep, "etp": options.tp,
+        "layer_spec": options.spec, "expert_layout": bridge.expert_layout,
+        "vocab_size": bridge.dims.vocab_size, "padded_vocab_size": bridge.padded_vocab_size(options.tp),
+        "make_vocab_size_divisible_by": bridge.make_vocab_size_divisible_by,
+        "pipeline_layers": [list(s) for s in stages], "num_local_experts": local_experts,
+        "non_expert_storage": "ep0", "dtypes": sorted(dtypes), "dequantized_fp8": fp8,
+        "hf_assets": assets, "ranks": ranks, "complete": True,
+    }

@@ -1,0 +1,237 @@
+"""Read and write safetensors files one tensor at a time, with nothing but the tensor in flight in RAM.
+
+Reading: :func:`read_safetensors_header` parses a file's header (8-byte little-endian length + JSON);
+:func:`read_tensor` ``pread`` s exactly one tensor's bytes into a fresh buffer. We deliberately do not
+keep files memory-mapped: the pages of a mapping that has been touched count in the process' resident
+set until it is unmapped, so walking a 5 GB shard through ``safe_open`` shows 5 GB of RSS (file-backed,
+reclaimable, but it is what cgroup limits and ``VmHWM`` see). ``pread`` s into anonymous memory that is
+freed with the tensor keep the resident set at one tensor.
+
+Writing: :class:`StreamingSafetensorsWriter` knows every tensor's name, dtype and shape before the
+first byte is written (the converters plan on meta tensors), so it writes the header first and then
+appends each tensor's bytes as soon as it is computed, in the planned order. It writes to a temporary
+name, ``fsync`` s, and renames into place, so a crash never leaves a truncated file under the final name.
+The files are standard safetensors (``safetensors.safe_open`` reads them; tests check that).
+
+Left out: big-endian hosts, tensors that are not C-contiguous on write (they are made contiguous).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+DTYPE_TO_ST = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+ST_TO_DTYPE = {name: dtype for dtype, name in DTYPE_TO_ST.items()}
+# Headers are padded so tensor data starts 8-byte aligned (what safetensors itself does).
+_HEADER_ALIGN = 8
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where one tensor's bytes live: absolute file path and byte range (relative to the whole file)."""
+
+    path: str
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * element_size(dtype)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorLocation], dict[str, str]]:
+    """``({name: TensorLocation}, metadata)`` of one safetensors file; raises naming the file on corruption."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        raw_len = handle.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path}: too short to be a safetensors file ({size} bytes)")
+        (header_len,) = struct.unpack("<Q", raw_len)
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path}: header length {header_len} is impossible for a {size}-byte file")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: header is not valid JSON ({err})") from None
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    locations: dict[str, TensorLocation] = {}
+    for name, info in header.items():
+        try:
+            dtype = ST_TO_DTYPE[info["dtype"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+        except KeyError as err:
+            raise ValueError(f"{path}: tensor {name!r} has an unsupported or missing header field {err}") from None
+        if end - begin != tensor_nbytes(dtype, shape) or data_start + end > size:
+            raise ValueError(f"{path}: tensor {name!r} byte range [{begin}, {end}) does not match its "
+                             f"shape {shape} / dtype {info['dtype']} or runs past the end of the file")
+        locations[name] = TensorLocation(path, name, dtype, shape, data_start + begin, data_start + end)
+    return locations, metadata
+
+
+def read_tensor(location: TensorLocation, *, row_start: Optional[int] = None,
+                row_end: Optional[int] = None) -> torch.Tensor:
+    """Read one tensor (or rows ``[row_start, row_end)`` of its first dim) into freshly owned memory."""
+    shape, start = location.shape, location.start
+    if row_start is not None or row_end is not None:
+        rows = shape[0]
+        row_start, row_end = row_start or 0, rows if row_end is None else row_end
+        if not 0 <= row_start <= row_end <= rows:
+            raise ValueError(f"{location.name}: rows [{row_start}, {row_end}) outside [0, {rows})")
+        row_bytes = tensor_nbytes(location.dtype, shape[1:])
+        start, shape = start + row_start * row_bytes, (row_end - row_start, *shape[1:])
+    nbytes = tensor_nbytes(location.dtype, shape)
+    buffer = bytearray(nbytes)
+    if nbytes:
+        view = memoryview(buffer)
+        fd = os.open(location.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < nbytes:  # pread may return short counts for large requests
+                got = os.preadv(fd, [view[done:]], start + done)
+                if got <= 0:
+                    raise IOError(f"{location.path}: unexpected end of file reading {location.name!r}")
+                done += got
+        finally:
+            os.close(fd)
+    if not nbytes:
+        return torch.empty(shape, dtype=location.dtype)
+    return torch.frombuffer(buffer, dtype=location.dtype).view(shape)
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+def planned_file_size(tensors: list[PlannedTensor], metadata: Optional[dict[str, str]] = None) -> int:
+    return len(_encode_header(tensors, metadata)) + sum(t.nbytes for t in tensors)
+
+
+def _encode_header(tensors: list[PlannedTensor], metadata: Optional[dict[str, str]]) -> bytes:
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for tensor in tensors:
+        if tensor.name in header:
+            raise ValueError(f"tensor {tensor.name!r} is planned twice in one file")
+        header[tensor.name] = {"dtype": DTYPE_TO_ST[tensor.dtype], "shape": list(tensor.shape),
+                               "data_offsets": [offset, offset + tensor.nbytes]}
+        offset += tensor.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % _HEADER_ALIGN)
+    return struct.pack("<Q", len(body)) + body
+
+
+def fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StreamingSafetensorsWriter:
+    """Write a planned safetensors file tensor by tensor; ``close()`` publishes it atomically.
+
+    ``add(name, tensor)`` must follow the planned order and match the planned dtype/shape exactly; a
+    mismatch raises (naming the tensor) before anything is published. ``abort()`` removes the temp file.
+    The CRC32 of every byte written is kept so that the resume manifest can record it.
+    """
+
+    def __init__(self, path: str | os.PathLike, tensors: list[PlannedTensor],
+                 metadata: Optional[dict[str, str]] = None):
+        self.path = os.fspath(path)
+        self.tmp_path = f"{self.path}.tmp-{os.getpid()}"
+        self._plan = list(tensors)
+        self._next = 0
+        self.crc32 = 0
+        self.size = 0
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._handle = open(self.tmp_path, "wb")
+        self._write(_encode_header(self._plan, metadata))
+
+    def _write(self, data) -> None:
+        self._handle.write(data)
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.size += len(data) if isinstance(data, bytes) else data.nbytes
+
+    @property
+    def next_name(self) -> Optional[str]:
+        return self._plan[self._next].name if self._next < len(self._plan) else None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._plan):
+            raise ValueError(f"{self.path}: tensor {name!r} is beyond the planned {len(self._plan)} tensors")
+        planned = self._plan[self._next]
+        if name != planned.name:
+            raise ValueError(f"{self.path}: got tensor {name!r}, planned {planned.name!r} next")
+        if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
+            raise ValueError(f"{self.path}: tensor {name!r} is {tensor.dtype}{tuple(tensor.shape)}, "
+                             f"planned {planned.dtype}{planned.shape}")
+        tensor = tensor.detach().contiguous().cpu()
+        if tensor.numel():
+            # A byte view of the tensor's own storage: no copy on the way to the file.
+            self._write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> tuple[int, int]:
+        """Flush, fsync and rename into place. Returns ``(size, crc32)``."""
+        if self._next != len(self._plan):
+            missing = [t.name for t in self._plan[self._next:]][:5]
+            self.abort()
+            raise ValueError(f"{self.path}: closed with {len(self._plan) - self._next} planned tensors "
+                             f"unwritten (first: {missing})")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        os.replace(self.tmp_path, self.path)
+        fsync_directory(os.path.dirname(self.path) or ".")
+        return self.size, self.crc32
+
+    def abort(self) -> None:
+        if not self._handle.closed:
+            self._handle.close()
+        if os.path.exists(self.tmp_path):
+            os.remove(self.tmp_path)
+
+
+def file_crc32(path: str, *, chunk_bytes: int = 16 * 1024 * 1024) -> int:
+    crc = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return crc

@@ -1,0 +1,57 @@
+"""Turn what a caller hands us (a transformers config, a dict, or a model directory) into one
+``transformers.PretrainedConfig``, and read its RoPE settings across transformers versions.
+
+transformers 5 keeps RoPE in ``config.rope_parameters`` (``rope_theta`` + ``rope_type`` + type
+fields); transformers 4 keeps ``rope_theta`` and ``rope_scaling``. :func:`read_rope` returns one dict
+for both. Left out: downloading configs from the hub (local paths only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Union
+
+import transformers
+
+HFConfigLike = Union["transformers.PretrainedConfig", dict, str, os.PathLike]
+
+
+def load_hf_config(source: HFConfigLike) -> "transformers.PretrainedConfig":
+    if isinstance(source, transformers.PretrainedConfig):
+        return source
+    if isinstance(source, dict):
+        data = dict(source)
+        model_type = data.pop("model_type", None)
+        if not model_type:
+            raise ValueError("HF config dict has no 'model_type'")
+        return transformers.AutoConfig.for_model(model_type, **data)
+    path = os.fspath(source)
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"no HF config at {config_file}")
+    with open(config_file) as handle:
+        data = json.load(handle)
+    return load_hf_config(data)
+
+
+def architecture_name(hf: "transformers.PretrainedConfig") -> str:
+    archs = getattr(hf, "architectures", None) or []
+    if len(archs) != 1:
+        raise ValueError(f"HF config must name exactly one entry in 'architectures', got {archs!r}")
+    return archs[0]
+
+
+def read_rope(hf: Any) -> dict[str, Any]:
+    """``{"rope_theta": float, "rope_type": str, ...type-specific fields}``; rope_type 'default' if unscaled."""
+    params = getattr(hf, "rope_parameters", None)
+    if params:
+        rope = dict(params)
+    else:
+        rope = dict(getattr(hf, "rope_scaling", None) or {})
+        rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    rope_type = rope.pop("type", None) or rope.get("rope_type") or "default"
+    rope["rope_type"] = rope_type
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
+    return rope

@@ -1,0 +1,85 @@
+"""Tiny random-weight HF models of every supported architecture, for tests and CPU runs.
+
+``tiny_hf_config(arch)`` gives an fp32 config (2-3 layers, hidden 64, GQA with fewer query groups than
+heads, vocab 250 so megatron pads it, MoE with 4 experts top-2, DeepSeek with 1 dense + 2 MoE layers,
+a shared expert, small q/kv LoRA ranks and YaRN RoPE). ``save_tiny_hf_checkpoint`` writes it with
+transformers' ``save_pretrained`` into several safetensors shards plus the index json.
+Left out: tokenizers (see :mod:`megarl.data.tokenizer`) and any trained weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+
+_COMMON = dict(vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2,
+               torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+_SPECS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], head_dim=16, tie_word_embeddings=False,
+                  max_position_embeddings=16384,
+                  rope_theta=500000.0,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192)),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                  rope_theta=1000000.0, use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32, tie_word_embeddings=False,
+                  rope_theta=1000000.0, attention_bias=False, use_sliding_window=False),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], head_dim=16,
+                      tie_word_embeddings=False, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      attention_bias=False, use_sliding_window=False),
+    "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3,
+                        num_key_value_heads=4, tie_word_embeddings=False, n_routed_experts=4, num_experts_per_tok=2,
+                        n_group=2, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32,
+                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc",
+                        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_nextn_predict_layers=0, rope_theta=10000.0, rope_interleave=True,
+                        rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+}
+
+
+def tiny_hf_config_dict(arch: str, **overrides: Any) -> dict[str, Any]:
+    if arch not in _SPECS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+    return {**_COMMON, **_SPECS[arch], **overrides}
+
+
+def tiny_hf_config(arch: str, **overrides: Any):
+    from megarl.models.hf_config import load_hf_config
+
+    return load_hf_config(tiny_hf_config_dict(arch, **overrides))
+
+
+def build_tiny_hf_model(arch: str, *, seed: int, **overrides: Any):
+    """A random-init HF model; router biases are randomised too (HF initialises them to zero)."""
+    import transformers
+
+    config = tiny_hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        # transformers keeps e_score_correction_bias as a (persistent) buffer, so walk buffers too.
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            # HF init leaves norms at 1 and the DeepSeek expert bias at 0; perturb them so a mapping that
+            # mixes up norms or drops the bias cannot pass a logits comparison by accident.
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("e_score_correction_bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+def save_tiny_hf_checkpoint(arch: str, out_dir: str | os.PathLike, *, seed: int, max_shard_size: str = "60KB",
+                            **overrides: Any) -> str:
+    model = build_tiny_hf_model(arch, seed=seed, **overrides)
+    out_dir = os.fspath(out_dir)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    return out_dir

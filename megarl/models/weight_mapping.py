@@ -1,0 +1,142 @@
+"""Tensor-level rules for moving one parameter between Hugging Face and megatron-core layouts.
+
+A :class:`ParamRule` says, for one GLOBAL megatron parameter name (layer index global across pipeline
+stages, expert index global across expert-parallel ranks), which HF tensors it is made of, how they are
+fused (``copy``, ``qkv``, ``gate_up``, ``vocab``) and how the FULL tensor (what a TP=1 model holds) is
+split across tensor-parallel ranks (``replicated``, ``column``, ``row``, ``vocab``, ``gate_up``).
+
+The functions here are pure tensor reshuffles (bit exact, no arithmetic). They leave out naming
+(which rules exist for an architecture: :mod:`megarl.models.architectures`) and I/O
+(:mod:`megarl.models.hf_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+FUSIONS = ("copy", "qkv", "gate_up", "vocab")
+TP_KINDS = ("replicated", "column", "row", "vocab", "gate_up")
+
+
+@dataclass(frozen=True)
+class QKVShape:
+    """Attention geometry needed to (un)interleave megatron's fused linear_qkv."""
+
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_query_groups
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    mcore_name: str
+    hf_names: tuple[str, ...]
+    fusion: str = "copy"
+    tp_kind: str = "replicated"
+    is_expert: bool = False
+    qkv: Optional[QKVShape] = None
+    vocab_size: Optional[int] = None  # unpadded (HF) rows, for fusion == "vocab"
+
+    def __post_init__(self):
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"{self.mcore_name}: unknown fusion {self.fusion!r}; expected one of {FUSIONS}")
+        if self.tp_kind not in TP_KINDS:
+            raise ValueError(f"{self.mcore_name}: unknown tp_kind {self.tp_kind!r}; expected one of {TP_KINDS}")
+        if self.fusion == "qkv" and (self.qkv is None or len(self.hf_names) != 3):
+            raise ValueError(f"{self.mcore_name}: qkv fusion needs a QKVShape and three HF names (q, k, v)")
+        if self.fusion == "gate_up" and len(self.hf_names) != 2:
+            raise ValueError(f"{self.mcore_name}: gate_up fusion needs two HF names (gate, up)")
+
+    @property
+    def tp_partition_dim(self) -> Optional[int]:
+        return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "gate_up": 0}[self.tp_kind]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: QKVShape) -> torch.Tensor:
+    """[q; k; v] (HF) -> megatron's per-query-group interleave [q_g0 k_g0 v_g0 q_g1 k_g1 v_g1 ...].
+
+    Works for weights ([out, hidden]) and biases ([out]); the rows of one group are its
+    ``heads_per_group`` query heads, then its key head, then its value head.
+    """
+    ng, hd, hpg = shape.num_query_groups, shape.head_dim, shape.heads_per_group
+    tail = q.shape[1:]
+    _expect_rows(q, shape.num_heads * hd, "q")
+    _expect_rows(k, ng * hd, "k")
+    _expect_rows(v, ng * hd, "v")
+    fused = torch.cat(
+        [q.reshape(ng, hpg * hd, *tail), k.reshape(ng, hd, *tail), v.reshape(ng, hd, *tail)], dim=1
+    )
+    return fused.reshape(ng * (hpg + 2) * hd, *tail)
+
+
+def split_qkv(fused: torch.Tensor, shape: QKVShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ng, hd, hpg = shape.num_query_groups, shape.head_dim, shape.heads_per_group
+    tail = fused.shape[1:]
+    _expect_rows(fused, ng * (hpg + 2) * hd, "linear_qkv")
+    grouped = fused.reshape(ng, (hpg + 2) * hd, *tail)
+    q, k, v = torch.split(grouped, [hpg * hd, hd, hd], dim=1)
+    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(),
+            v.reshape(-1, *tail).contiguous())
+
+
+def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """Append zero rows (megatron pads the vocabulary so that it splits evenly over TP ranks)."""
+    if weight.shape[0] > padded_rows:
+        raise ValueError(f"cannot pad {weight.shape[0]} vocabulary rows down to {padded_rows}")
+    if weight.shape[0] == padded_rows:
+        return weight
+    pad = weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])
+    return torch.cat([weight, pad], dim=0)
+
+
+def shard_tensor(rule: ParamRule, full: torch.Tensor, tp_rank: int, tp_size: int,
+                 padded_rows: Optional[int] = None) -> torch.Tensor:
+    """This TP rank's piece of ``full``; ``padded_rows`` is the vocab padding for ``tp_size`` (vocab only)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} is outside [0, {tp_size})")
+    if rule.tp_kind == "replicated" or tp_size == 1 and rule.tp_kind != "vocab":
+        return full
+    if rule.tp_kind == "vocab":
+        full = pad_vocab(full, padded_rows if padded_rows is not None else full.shape[0])
+    if rule.tp_kind == "gate_up":
+        gate, up = _halves(rule, full)
+        return torch.cat([_chunk(rule, gate, 0, tp_rank, tp_size), _chunk(rule, up, 0, tp_rank, tp_size)], dim=0)
+    return _chunk(rule, full, rule.tp_partition_dim, tp_rank, tp_size)
+
+
+def merge_shards(rule: ParamRule, shards: Sequence[torch.Tensor], full_rows: Optional[int] = None) -> torch.Tensor:
+    """Inverse of :func:`shard_tensor` over all ranks; ``full_rows`` trims TP-only vocab padding."""
+    if rule.tp_kind == "replicated" or len(shards) == 1 and rule.tp_kind != "vocab":
+        return shards[0]
+    if rule.tp_kind == "gate_up":
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([torch.cat([g for g, _ in halves], 0), torch.cat([u for _, u in halves], 0)], dim=0)
+    merged = torch.cat(list(shards), dim=rule.tp_partition_dim)
+    if rule.tp_kind == "vocab" and full_rows is not None:
+        merged = merged[:full_rows]
+    return merged
+
+
+def _halves(rule: ParamRule, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if full.shape[0] % 2:
+        raise ValueError(f"{rule.mcore_name}: gated linear_fc1 has an odd number of rows {full.shape[0]}")
+    gate, up = torch.chunk(full, 2, dim=0)
+    return gate, up
+
+
+def _chunk(rule: ParamRule, tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if tensor.shape[dim] % size:
+        raise ValueError(f"{rule.mcore_name}: dim {dim} of size {tensor.shape[dim]} does not split over {size} ranks")
+    return torch.chunk(tensor, size, dim=dim)[rank].contiguous()
+
+
+def _expect_rows(tensor: torch.Tensor, rows: int, what: str) -> None:
+    if tensor.shape[0] != rows:
+        raise ValueError(f"{what} has {tensor.shape[0]} rows, expected {rows} (shape {tuple(tensor.shape)})")
