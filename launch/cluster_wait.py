@@ -1,0 +1,114 @@
+"""Wait until an existing Ray cluster has the nodes a run asks for, or fail with what is missing.
+
+Used two ways: by ``slurm/ray_cluster.sh`` after it started ``ray start`` on every node
+(``python launch/cluster_wait.py --address HOST:PORT --nodes 4 --per-node 8 --device cuda --timeout-s 300``),
+and by ``launch/multinode.py`` before it places workers. A node counts when it is alive and has at least
+``per_node`` GPUs (device cuda) or CPUs (device cpu). Node names come from the ``megarl_node:<name>``
+resource that ``slurm/ray_cluster.sh`` gives every node (its Slurm hostname), else the node IP.
+Leaves out: starting or stopping Ray (the Slurm scripts do that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+
+NODE_NAME_PREFIX = "megarl_node:"
+
+
+class ClusterWaitError(RuntimeError):
+    """The cluster did not reach the asked size in time; the message lists what is there."""
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    node_id: str
+    name: str
+    ip: str
+    gpus: float
+    cpus: float
+
+
+def list_alive_nodes() -> list[ClusterNode]:
+    import ray
+
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive", False):
+            continue
+        resources = node.get("Resources", {})
+        names = [key[len(NODE_NAME_PREFIX):] for key in resources if key.startswith(NODE_NAME_PREFIX)]
+        ip = node["NodeManagerAddress"]
+        nodes.append(ClusterNode(node_id=node["NodeID"], name=names[0] if names else ip, ip=ip,
+                                 gpus=resources.get("GPU", 0.0), cpus=resources.get("CPU", 0.0)))
+    return sorted(nodes, key=lambda n: n.name)
+
+
+def usable_nodes(nodes: list[ClusterNode], per_node: int, device: str) -> list[ClusterNode]:
+    key = "gpus" if device == "cuda" else "cpus"
+    return [node for node in nodes if getattr(node, key) >= per_node]
+
+
+def describe_nodes(nodes: list[ClusterNode]) -> str:
+    if not nodes:
+        return "no alive node"
+    return "; ".join(f"{n.name} ({n.ip}, {n.gpus:g} GPU, {n.cpus:g} CPU)" for n in nodes)
+
+
+def wait_for_nodes(nnodes: int, per_node: int, device: str, timeout_s: float, poll_s: float = 1.0) -> list[ClusterNode]:
+    """Poll the connected cluster until ``nnodes`` usable nodes are alive; return them (sorted by name)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = list_alive_nodes()
+        usable = usable_nodes(nodes, per_node, device)
+        if len(usable) >= nnodes:
+            return usable
+        if time.monotonic() >= deadline:
+            unit = "GPUs" if device == "cuda" else "CPUs"
+            raise ClusterWaitError(
+                f"the run asks for {nnodes} nodes x {per_node} {unit} (trainer.nnodes x trainer.n_gpus_per_node) "
+                f"but after {timeout_s:g} s the cluster has {len(usable)} such node(s); alive nodes: "
+                f"{describe_nodes(nodes)}. Check the per-node logs of the workers that did not join."
+            )
+        time.sleep(poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--per-node", type=int, required=True)
+    parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    parser.add_argument("--timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    import ray
+
+    # The head may still be starting: retry the connection itself until the deadline.
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        try:
+            ray.init(address=args.address, include_dashboard=False, logging_level="ERROR")
+            break
+        except (ConnectionError, RuntimeError) as exc:
+            if time.monotonic() >= deadline:
+                print(f"cluster_wait: cannot reach the Ray head at {args.address} within {args.timeout_s:g} s: {exc}",
+                      file=sys.stderr)
+                return 1
+            time.sleep(2.0)
+    try:
+        nodes = wait_for_nodes(args.nodes, args.per_node, args.device, max(deadline - time.monotonic(), 1.0))
+    except ClusterWaitError as exc:
+        print(f"cluster_wait: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(f"cluster_wait: {len(nodes)} nodes ready: {describe_nodes(nodes)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""``python -m megarl.plan``: print the memory/layout plan of a run and exit 1 when it does not fit.
+
+Two ways in:
+  python -m megarl.plan --config configs/qwen2_5_7b_gsm8k_grpo.yaml [a.b.c=value ...] [--gpu-memory-gib 141]
+      reads the run config (actor_rollout_ref.model.path must be a directory with config.json);
+  python -m megarl.plan --hf-config megarl/models/reference_configs/deepseek_v3/config.json \\
+      --world-size 1024 --tp 2 --pp 16 --ep 64 --etp 1 --first-stage-layers 3 --last-stage-layers 2 ...
+      plans straight from an HF config with layout flags.
+Layout flags given together with --config override the config's values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from megarl.plan.layout import LayoutSpec, TrainingSpec
+from megarl.plan.memory import plan_layout
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8": 1}
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """Load config.json from ``path`` (the file or the model directory holding it)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"megarl.plan: no HF config.json at {file} (the model path must be an HF model directory)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"megarl.plan: {file} is not valid JSON: {exc}") from exc
+
+
+def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
+    """Translate a :class:`megarl.config.schema.MegarlConfig` into the planner's inputs."""
+    from megarl.config.validate import critic_enabled, training_world_size
+
+    arr = cfg.actor_rollout_ref
+    model_path = arr.model.path
+    if model_path.startswith("embedded:"):
+        raise SystemExit(
+            f"megarl.plan: actor_rollout_ref.model.path={model_path!r} is an embedded test model; "
+            "point it at an HF model directory (e.g. megarl/models/reference_configs/<name>)"
+        )
+    m = arr.actor.megatron
+    layout = LayoutSpec(
+        world_size=training_world_size(cfg),
+        tp=m.tensor_model_parallel_size,
+        pp=m.pipeline_model_parallel_size,
+        vpp=m.virtual_pipeline_model_parallel_size,
+        cp=m.context_parallel_size,
+        ep=m.expert_model_parallel_size,
+        etp=m.expert_tensor_parallel_size,
+        sequence_parallel=m.sequence_parallel,
+        # Fields the schema may not carry (yet): uneven pipeline stages.
+        first_stage_layers=getattr(m, "num_layers_in_first_pipeline_stage", None),
+        last_stage_layers=getattr(m, "num_layers_in_last_pipeline_stage", None),
+        distributed_optimizer=m.use_distributed_optimizer,
+        # optimizer_offload (verl meaning) parks Adam states on CPU between phases, which offload_train_state
+        # models; Megatron's CPU optimizer step is a different feature the schema may add later.
+        optimizer_cpu_offload=getattr(m, "optimizer_cpu_offload", False),
+        recompute=m.recompute_granularity or "none",
+        rollout_tp=arr.rollout.tensor_model_parallel_size,
+        placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
+        rollout_gpus=cfg.trainer.rollout_gpus,
+    )
+    training = TrainingSpec(
+        global_batch_size=arr.actor.ppo_mini_batch_size * arr.rollout.n,
+        micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
+        max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        use_reference=arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        use_critic=critic_enabled(cfg),
+        param_bytes=_DTYPE_BYTES[m.params_dtype],
+        offload_train_state=m.param_offload and m.grad_offload and m.optimizer_offload,
+        rollout_sleeps=arr.rollout.free_cache_engine,
+        rollout_gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        rollout_weight_bytes=_DTYPE_BYTES.get(arr.rollout.dtype, 2),
+    )
+    hf_config = read_hf_config(model_path)
+    quantization = hf_config.get("quantization_config") or {}
+    if quantization.get("quant_method") == "fp8":
+        # vLLM serves an fp8 checkpoint (DeepSeek-V3) in fp8 whatever the activation dtype.
+        training = replace(training, rollout_weight_bytes=1)
+    return hf_config, layout, training
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megarl.plan", description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="run config YAML (megarl.config schema)")
+    source.add_argument("--hf-config", help="HF config.json, or a model directory holding one")
+    parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides of --config")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    parser.add_argument("--framework-overhead-gib", type=float, default=3.0)
+    layout = parser.add_argument_group("layout (overrides --config)")
+    for flag, field_type in (
+        ("world-size", int), ("tp", int), ("pp", int), ("vpp", int), ("cp", int), ("ep", int), ("etp", int),
+        ("first-stage-layers", int), ("last-stage-layers", int), ("rollout-tp", int), ("rollout-gpus", int),
+    ):
+        layout.add_argument(f"--{flag}", type=field_type)
+    layout.add_argument("--recompute", choices=("none", "selective", "full"))
+    layout.add_argument("--placement", choices=("colocated", "separate"))
+    layout.add_argument("--no-sequence-parallel", action="store_true")
+    layout.add_argument("--no-distributed-optimizer", action="store_true")
+    layout.add_argument("--optimizer-cpu-offload", action="store_true")
+    layout.add_argument("--train-mtp", action="store_true")
+    training = parser.add_argument_group("training shape (overrides --config)")
+    for flag, field_type in (
+        ("global-batch-size", int), ("micro-batch-size", int), ("max-seq-len", int),
+        ("rollout-max-num-seqs", int), ("rollout-gpu-memory-utilization", float), ("rollout-weight-bytes", int),
+    ):
+        training.add_argument(f"--{flag}", type=field_type)
+    training.add_argument("--critic", action="store_true")
+    training.add_argument("--no-reference", action="store_true")
+    return parser
+
+
+def _apply_flags(args, layout: LayoutSpec, training: TrainingSpec) -> tuple[LayoutSpec, TrainingSpec]:
+    layout_fields = {
+        "world_size", "tp", "pp", "vpp", "cp", "ep", "etp", "first_stage_layers", "last_stage_layers",
+        "rollout_tp", "rollout_gpus", "recompute", "placement",
+    }
+    training_fields = {
+        "global_batch_size", "micro_batch_size", "max_seq_len", "rollout_max_num_seqs",
+        "rollout_gpu_memory_utilization", "rollout_weight_bytes",
+    }
+    values = vars(args)
+    layout = replace(layout, **{k: values[k] for k in layout_fields if values[k] is not None})
+    training = replace(training, **{k: values[k] for k in training_fields if values[k] is not None})
+    if args.no_sequence_parallel:
+        layout = replace(layout, sequence_parallel=False)
+    if args.no_distributed_optimizer:
+        layout = replace(layout, distributed_optimizer=False)
+    if args.optimizer_cpu_offload:
+        layout = replace(layout, optimizer_cpu_offload=True)
+    if args.train_mtp:
+        layout = replace(layout, train_mtp=True)
+    if args.critic:
+        training = replace(training, use_critic=True)
+    if args.no_reference:
+        training = replace(training, use_reference=False)
+    return layout, training
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.config:
+        from megarl.config.loader import ConfigError, load_config
+
+        try:
+            run_config = load_config(args.config, args.overrides)
+        except (ConfigError, OSError) as exc:
+            raise SystemExit(f"megarl.plan: {args.config}: {exc}") from exc
+        hf_config, layout, training = specs_from_run_config(run_config)
+    else:
+        if args.overrides:
+            raise SystemExit(f"megarl.plan: overrides {args.overrides} need --config")
+        missing = [f"--{name.replace('_', '-')}" for name in ("world_size", "global_batch_size") if getattr(args, name) is None]
+        if missing:
+            raise SystemExit(f"megarl.plan: --hf-config needs {' and '.join(missing)}")
+        hf_config = read_hf_config(args.hf_config)
+        layout = LayoutSpec(world_size=args.world_size)
+        training = TrainingSpec(global_batch_size=args.global_batch_size)
+    layout, training = _apply_flags(args, layout, training)
+    report = plan_layout(
+        hf_config, layout, training, args.gpu_memory_gib, framework_overhead_gib=args.framework_overhead_gib
+    )
+    print(report.table())
+    return 0 if report.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

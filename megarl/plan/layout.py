@@ -1,0 +1,208 @@
+"""Parallel layout and RL training shape as the planner sees them, and the divisibility rules they must obey.
+
+``check_layout`` returns human-readable errors (an empty list means the layout is well formed); the rules
+follow megatron-core 0.16's own assertions (``TransformerConfig.__post_init__``, ``initialize_model_parallel``)
+and vLLM's tensor-parallel rules for the rollout engine, so a layout rejected here would be rejected there.
+Leaves out memory (see ``memory.py``) and Megatron's string pipeline layouts (``pipeline_model_parallel_layout``):
+uneven pipelines are described with first/last stage layer counts only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megarl.plan.model_dims import ModelDims
+
+Recompute = Literal["none", "selective", "full"]
+Placement = Literal["colocated", "separate"]
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """Where the trainer and the rollout engine run and how the trainer's model is split."""
+
+    world_size: int  # GPUs of the trainer (colocated: also the rollout GPUs)
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B)
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel; Megatron's default is tp
+    sequence_parallel: bool = True
+    first_stage_layers: int | None = None  # Megatron num_layers_in_first_pipeline_stage
+    last_stage_layers: int | None = None  # Megatron num_layers_in_last_pipeline_stage
+    distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
+    recompute: Recompute = "none"
+    train_mtp: bool = False  # keep the DeepSeek MTP module on the last stage and train it
+    rollout_tp: int = 1  # GPUs of one rollout engine (tensor/expert parallel inside it)
+    placement: Placement = "colocated"
+    rollout_gpus: int = 0  # separate placement: GPUs given to rollout engines
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world_size // (self.pp * self.ep * self.expert_tp)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """One RL step's shape: what is trained, on how many sequences of what length."""
+
+    global_batch_size: int  # sequences per optimizer step (PPO/GRPO mini-batch)
+    micro_batch_size: int = 1
+    max_seq_len: int = 4096  # prompt + response tokens of one sequence
+    use_reference: bool = True
+    use_critic: bool = False
+    param_bytes: int = 2  # training weights: 2 bf16, 4 fp32
+    offload_train_state: bool = True  # actor/ref/critic states go to CPU outside their own phase
+    rollout_sleeps: bool = True  # colocated rollout engine frees weights + KV cache while training
+    rollout_max_num_seqs: int = 256  # sequences one rollout engine decodes at once
+    rollout_gpu_memory_utilization: float = 0.85  # vLLM's fraction of the GPU for weights + KV cache
+    rollout_weight_bytes: int = 2  # 2: bf16 rollout weights, 1: fp8
+    kv_cache_bytes: int = 2
+
+
+def split_pipeline_layers(num_layers: int, layout: LayoutSpec) -> tuple[list[int], list[str]]:
+    """Decoder layers on each pipeline stage, and the errors if the split is not possible."""
+    pp, vpp = layout.pp, layout.vpp
+    first, last = layout.first_stage_layers, layout.last_stage_layers
+    errors: list[str] = []
+    if pp == 1:
+        if first is not None or last is not None:
+            errors.append("first_stage_layers/last_stage_layers need pp > 1")
+        return [num_layers], errors
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if value is not None and value <= 0:
+            errors.append(f"{name}={value} must be > 0")
+        if value is not None and vpp and value % vpp:
+            errors.append(f"{name}={value} is not divisible by vpp={vpp}")
+    if middle_layers < 0 or bool(middle_layers) != bool(middle_stages):
+        errors.append(
+            f"pipeline split: {middle_layers} layers left for {middle_stages} middle stages "
+            f"(num_layers={num_layers}, pp={pp}, first_stage_layers={first}, last_stage_layers={last})"
+        )
+        return [], errors
+    if middle_stages and middle_layers % middle_stages:
+        if first or last:
+            errors.append(
+                f"{middle_layers} layers left after first_stage_layers={first}/last_stage_layers={last} are not "
+                f"divisible by the {middle_stages} middle pipeline stages"
+            )
+        else:
+            errors.append(
+                f"num_layers={num_layers} is not divisible by pp={pp}; "
+                "set first_stage_layers/last_stage_layers for an uneven split"
+            )
+        return [], errors
+    per_middle = middle_layers // middle_stages if middle_stages else 0
+    if vpp and per_middle % vpp:
+        errors.append(f"layers per pipeline stage ({per_middle}) are not divisible by vpp={vpp}")
+    stages = [per_middle] * middle_stages
+    if first is not None:
+        stages.insert(0, first)
+    if last is not None:
+        stages.append(last)
+    return stages, errors
+
+
+def _check_positive(layout: LayoutSpec, training: TrainingSpec) -> list[str]:
+    errors = []
+    for name in ("world_size", "tp", "pp", "cp", "ep", "rollout_tp"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or value < 1:
+            errors.append(f"layout.{name} must be a positive integer, got {value!r}")
+    for name in ("global_batch_size", "micro_batch_size", "max_seq_len", "rollout_max_num_seqs"):
+        value = getattr(training, name)
+        if not isinstance(value, int) or value < 1:
+            errors.append(f"training.{name} must be a positive integer, got {value!r}")
+    if layout.etp is not None and layout.etp < 1:
+        errors.append(f"layout.etp must be a positive integer, got {layout.etp!r}")
+    if layout.vpp is not None and layout.vpp < 1:
+        errors.append(f"layout.vpp must be a positive integer, got {layout.vpp!r}")
+    if not 0 < training.rollout_gpu_memory_utilization <= 1:
+        errors.append(
+            f"training.rollout_gpu_memory_utilization must be in (0, 1], got {training.rollout_gpu_memory_utilization}"
+        )
+    return errors
+
+
+def check_layout(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) -> list[str]:
+    """Every divisibility rule ``layout`` breaks for this model and batch, as messages."""
+    errors = _check_positive(layout, training)
+    if errors:
+        return errors
+    tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
+    model_parallel = tp * pp * cp
+    if layout.world_size % model_parallel:
+        errors.append(f"world_size={layout.world_size} is not divisible by tp*pp*cp={tp}*{pp}*{cp}={model_parallel}")
+    if dims.num_heads % tp:
+        errors.append(f"num_attention_heads={dims.num_heads} is not divisible by tp={tp}")
+    # Megatron: kv heads split over TP, or (fewer kv heads than TP ranks) each kv head replicated on tp/kv ranks.
+    if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
+        errors.append(f"num_key_value_heads={dims.num_kv_heads} must be a multiple or a divisor of tp={tp}")
+    if pp == 1 and layout.vpp:
+        errors.append("vpp needs pp > 1")
+    _, pipeline_errors = split_pipeline_layers(dims.num_layers, layout)
+    errors += pipeline_errors
+
+    if dims.moe is None:
+        if ep != 1:
+            errors.append(f"ep={ep} but {dims.model_type} is a dense model (no experts): use ep=1")
+    else:
+        if dims.moe.num_experts % ep:
+            errors.append(f"num_experts={dims.moe.num_experts} is not divisible by ep={ep}")
+        expert_grid = layout.expert_tp * ep * pp
+        if layout.world_size % expert_grid:
+            errors.append(
+                f"world_size={layout.world_size} is not divisible by etp*ep*pp={layout.expert_tp}*{ep}*{pp}"
+                f"={expert_grid} (Megatron's expert grid: etp*ep*expert_dp*pp = world_size)"
+            )
+        if tp > 1 and ep > 1 and not layout.sequence_parallel:
+            errors.append("MoE with tp>1 and ep>1 needs sequence_parallel=True (Megatron requires it)")
+
+    if cp > 1 and training.max_seq_len % (2 * cp):
+        errors.append(
+            f"max_seq_len={training.max_seq_len} is not divisible by 2*cp={2 * cp} "
+            "(load-balanced context parallel splits each sequence into 2*cp chunks)"
+        )
+    if not errors:
+        per_step = training.micro_batch_size * layout.dp
+        if training.global_batch_size % per_step:
+            errors.append(
+                f"global_batch_size={training.global_batch_size} is not divisible by "
+                f"micro_batch_size*dp={training.micro_batch_size}*{layout.dp}={per_step}"
+            )
+
+    rtp = layout.rollout_tp
+    if dims.num_heads % rtp:
+        errors.append(f"num_attention_heads={dims.num_heads} is not divisible by rollout_tp={rtp}")
+    if dims.mla is None and dims.num_kv_heads % rtp and rtp % dims.num_kv_heads:
+        errors.append(
+            f"num_key_value_heads={dims.num_kv_heads} must be a multiple or a divisor of rollout_tp={rtp} (vLLM rule)"
+        )
+    if layout.placement == "colocated":
+        if layout.rollout_gpus:
+            errors.append("rollout_gpus is only for placement='separate' (colocated rollout uses the trainer GPUs)")
+        if layout.world_size % rtp:
+            errors.append(f"world_size={layout.world_size} is not divisible by rollout_tp={rtp}")
+    elif layout.placement == "separate":
+        if layout.rollout_gpus < 1 or layout.rollout_gpus % rtp:
+            errors.append(f"rollout_gpus={layout.rollout_gpus} must be a positive multiple of rollout_tp={rtp}")
+    else:
+        errors.append(f"placement must be 'colocated' or 'separate', got {layout.placement!r}")
+    if layout.recompute not in ("none", "selective", "full"):
+        errors.append(f"recompute must be 'none', 'selective' or 'full', got {layout.recompute!r}")
+    if layout.train_mtp and not dims.mtp_layers:
+        errors.append(f"train_mtp=True but {dims.model_type} has no MTP layers (num_nextn_predict_layers)")
+    return errors

@@ -1,0 +1,347 @@
+"""Per-GPU memory plan of one RL step (rollout, log-prob passes, actor/critic training) for a parallel layout.
+
+Everything is bytes on the worst GPU of each pipeline stage; the plan takes the max over stages and phases.
+
+Training state (Megatron, bf16 with fp32 main grads, Adam):
+  params 2 B/param; main grads 4 B/param (Megatron's full-size fp32 grad buffer, not sharded even with the
+  distributed optimizer); optimizer 12 B/param (fp32 master + Adam m + v), divided by the data-parallel size
+  (dense weights: dp*cp, routed experts: expert_dp) when the distributed optimizer is on, 0 when offloaded to CPU.
+  Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts / (ep*etp); the embedding on
+  the first stage and the output head on the last (a tied embedding gets a copy there when pp > 1), vocab padded
+  to a multiple of 128*tp as Megatron does.
+
+Activations (bf16, flash attention assumed so no s^2 score matrix), per layer and micro-batch of T = b*s/cp
+tokens, nd = tp with sequence parallel else 1, a/t query heads and max(g/t, 1) kv heads of width D per rank:
+  GQA attention  2T*(2h/nd + 2*q + 2*kv) + 4T*a/t          (norm input, qkv input, Q K V, core-attn output; lse fp32)
+                 + 2T*(q + kv) with Qwen3 q/k norms
+  MLA attention  2T*(2h/nd + 2*q_lora + 2*(kv_lora + rope)) + 2T*(a/t)*(2*(nope+rope) + 2*v) + 4T*a/t
+  dense SwiGLU   2T*(2h/nd + 3f/t)                             (norm input, fc1 input, fc1 output 2f, act output f)
+  MoE            2T*2h/nd + 4T*E/nd + 2(T/nd)*k*(etp*h + 3f_e) + 2T*3f_s/t   (router logits fp32, routed tokens
+                 through top-k experts, shared experts)
+  selective recompute (Megatron core_attn + moe_act + mla_up_proj): drops the routed act output (f_e) and MLA's
+  decompressed Q K V; with flash attention core_attn adds nothing for GQA. Full recompute keeps 2T*h/nd per layer
+  plus one layer's full activations as the recompute working set.
+  In flight on stage r (Megatron 1F1B): min(pp - r, M) micro-batches; interleaved with vpp=v:
+  min(2(pp - r - 1) + (v - 1)pp + 1, M*v) chunks of 1/v of the stage. Last stage adds the logits of one
+  micro-batch, 6 B per (token, vocab/tp) entry (bf16 logits + fp32 softmax kept for the backward).
+Log-prob (no grad) passes hold one layer's activations plus fp32 logits of one micro-batch.
+
+Rollout engine (vLLM-style): weights (params / rollout_tp at rollout_weight_bytes) + KV cache; GQA KV per token
+= 2 * layers * kv_heads_per_rank * head_dim * bytes, MLA per token = layers * (kv_lora_rank + rope_dim) * bytes
+(the latent is not split over TP). The engine reserves gpu_memory_utilization of the GPU.
+Colocated: with offload_train_state the actor/ref/critic states leave the GPU outside their own phase (verl's
+param/grad/optimizer offload, slime's colocate); with rollout_sleeps the engine frees weights and KV cache while
+training (vLLM sleep mode). Whatever is not offloaded is counted in every phase.
+A fixed framework_overhead_gib (CUDA context, NCCL buffers, allocator fragmentation) is added to every phase.
+Leaves out: CPU memory, dynamic batching, activation offload, FP8 training, pipeline bubbles in time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from megarl.plan.layout import LayoutSpec, TrainingSpec, check_layout, split_pipeline_layers
+from megarl.plan.model_dims import ModelDims, read_model_dims
+from megarl.plan.param_count import LayerParams, ParamCount, count_parameters
+
+GIB = 1024**3
+GRAD_BYTES = 4
+OPTIMIZER_BYTES = 12
+
+
+@dataclass
+class PhaseMemory:
+    """Bytes per component of one phase on one GPU of one pipeline stage."""
+
+    phase: str
+    stage: int
+    components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclass
+class PlanReport:
+    fits: bool
+    errors: list[str]
+    warnings: list[str]
+    gpu_memory_gib: float
+    params: ParamCount | None = None
+    phases: list[PhaseMemory] = field(default_factory=list)  # worst stage of each phase
+    peak: PhaseMemory | None = None
+    stage_layers: list[int] = field(default_factory=list)
+    dp: int = 0
+    expert_dp: int = 0
+    num_micro_batches: int = 0
+    rollout_kv_tokens_capacity: int = 0
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak.total / GIB if self.peak else 0.0
+
+    def table(self) -> str:
+        """Human-readable plan: the layout's derived sizes, then each phase's worst-GPU components."""
+        lines = []
+        if self.params is not None:
+            p = self.params
+            lines.append(
+                f"model: {p.total / 1e9:.2f}B params, {p.active / 1e9:.2f}B active"
+                + (f", MTP {p.mtp / 1e9:.2f}B (total with MTP {p.total_with_mtp / 1e9:.2f}B)" if p.mtp else "")
+            )
+        if self.stage_layers:
+            lines.append(
+                f"dp={self.dp} expert_dp={self.expert_dp} micro_batches/step={self.num_micro_batches} "
+                f"layers per stage={self.stage_layers}"
+            )
+        for phase in self.phases:
+            lines.append(f"[{phase.phase}] worst GPU: pipeline stage {phase.stage}, {phase.total / GIB:.2f} GiB")
+            for name, value in phase.components.items():
+                lines.append(f"    {name:<34} {value / GIB:10.2f} GiB")
+        if self.rollout_kv_tokens_capacity:
+            lines.append(f"rollout KV cache capacity per engine: {self.rollout_kv_tokens_capacity:,} tokens")
+        if self.peak is not None:
+            lines.append(
+                f"peak: {self.peak_gib:.2f} GiB of {self.gpu_memory_gib:.2f} GiB "
+                f"({self.peak.phase}, stage {self.peak.stage})"
+            )
+        lines += [f"WARNING: {w}" for w in self.warnings]
+        lines += [f"ERROR: {e}" for e in self.errors]
+        lines.append("FITS" if self.fits else "DOES NOT FIT")
+        return "\n".join(lines)
+
+
+def pad_vocab(vocab_size: int, tp: int) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 * tp so every TP shard is aligned."""
+    multiple = 128 * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def _layer_gpu_params(layer: LayerParams, layout: LayoutSpec) -> tuple[float, float]:
+    """(dense, expert) parameters of ``layer`` on one GPU."""
+    dense = layer.tp_sharded / layout.tp + layer.replicated
+    expert = layer.routed_experts / (layout.ep * layout.expert_tp)
+    return dense, expert
+
+
+def _attention_activation_bytes(dims: ModelDims, layout: LayoutSpec, tokens: int, recompute: str) -> float:
+    t, h = layout.tp, dims.hidden_size
+    nd = t if layout.sequence_parallel and t > 1 else 1
+    heads = dims.num_heads / t
+    lse = 4 * tokens * heads
+    if dims.mla is not None:
+        m = dims.mla
+        latents = 2 * tokens * (2 * h / nd + 2 * (m.q_lora_rank or 0) + 2 * (m.kv_lora_rank + m.qk_rope_head_dim))
+        qkv = 2 * tokens * heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + m.v_head_dim)
+        core_out = 2 * tokens * heads * m.v_head_dim
+        # mla_up_proj recompute rebuilds Q, K, V from the latents in the backward.
+        return latents + core_out + lse + (0 if recompute == "selective" else qkv)
+    q = heads * dims.head_dim
+    kv = max(dims.num_kv_heads // t, 1) * dims.head_dim
+    total = 2 * tokens * (2 * h / nd + 2 * q + 2 * kv) + lse
+    if dims.qk_norm:
+        total += 2 * tokens * (q + kv)
+    return total
+
+
+def _mlp_activation_bytes(dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str) -> float:
+    t, h = layout.tp, dims.hidden_size
+    nd = t if layout.sequence_parallel and t > 1 else 1
+    if not is_moe:
+        return 2 * tokens * (2 * h / nd + 3 * dims.intermediate_size / t)
+    moe = dims.moe
+    assert moe is not None
+    routed_width = 2 if recompute == "selective" else 3  # moe_act recompute drops the activation output
+    routed = 2 * (tokens / nd) * moe.experts_per_token * (layout.expert_tp * h + routed_width * moe.expert_intermediate_size)
+    shared = 2 * tokens * 3 * moe.shared_expert_intermediate_size / t
+    router = 4 * tokens * moe.num_experts / nd
+    return 2 * tokens * 2 * h / nd + router + routed + shared
+
+
+def layer_activation_bytes(dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str) -> float:
+    """Activation bytes one decoder layer keeps for the backward, for ``tokens`` tokens on this GPU."""
+    return _attention_activation_bytes(dims, layout, tokens, recompute) + _mlp_activation_bytes(
+        dims, layout, tokens, is_moe, recompute
+    )
+
+
+def rollout_kv_bytes_per_token(dims: ModelDims, rollout_tp: int, kv_bytes: int) -> int:
+    if dims.mla is not None:
+        return dims.num_layers * (dims.mla.kv_lora_rank + dims.mla.qk_rope_head_dim) * kv_bytes
+    kv_heads = max(dims.num_kv_heads // rollout_tp, 1)
+    return 2 * dims.num_layers * kv_heads * dims.head_dim * kv_bytes
+
+
+def _in_flight_units(layout: LayoutSpec, stage: int, num_micro_batches: int) -> float:
+    """Stage-fractions of activations stage ``stage`` holds at its 1F1B peak."""
+    pp, v = layout.pp, layout.vpp or 1
+    if v == 1:
+        return min(pp - stage, num_micro_batches)
+    chunks = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, num_micro_batches * v)
+    return chunks / v
+
+
+def _stage_activation_bytes(
+    dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, layer_kinds: list[bool], stage: int, num_micro: int
+) -> float:
+    tokens = training.micro_batch_size * training.max_seq_len // layout.cp
+    nd = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    per_layer = [layer_activation_bytes(dims, layout, tokens, k, layout.recompute) for k in layer_kinds]
+    units = _in_flight_units(layout, stage, num_micro)
+    if layout.recompute == "full":
+        stored = units * len(layer_kinds) * 2 * tokens * dims.hidden_size / nd
+        full_layers = [layer_activation_bytes(dims, layout, tokens, k, "none") for k in layer_kinds]
+        return stored + (max(full_layers) if full_layers else 0)
+    return units * sum(per_layer)
+
+
+def plan_layout(
+    hf_config: Mapping[str, Any],
+    layout: LayoutSpec,
+    training: TrainingSpec,
+    gpu_memory_gib: float = 80.0,
+    *,
+    framework_overhead_gib: float = 3.0,
+) -> PlanReport:
+    """Check ``layout`` against the model in ``hf_config`` and estimate per-GPU memory of every RL phase."""
+    dims = read_model_dims(hf_config)
+    errors = check_layout(dims, layout, training)
+    report = PlanReport(fits=False, errors=errors, warnings=[], gpu_memory_gib=gpu_memory_gib)
+    report.params = count_parameters(dims)
+    if errors:
+        return report
+
+    params = report.params
+    gpu_bytes = gpu_memory_gib * GIB
+    overhead = framework_overhead_gib * GIB
+    stage_layers, _ = split_pipeline_layers(dims.num_layers, layout)
+    report.stage_layers = stage_layers
+    report.dp, report.expert_dp = layout.dp, layout.expert_dp
+    num_micro = training.global_batch_size // (training.micro_batch_size * layout.dp)
+    report.num_micro_batches = num_micro
+    vocab_shard = pad_vocab(dims.vocab_size, layout.tp) * dims.hidden_size / layout.tp
+    tokens = training.micro_batch_size * training.max_seq_len // layout.cp
+    logits_train = 6 * tokens * pad_vocab(dims.vocab_size, layout.tp) / layout.tp
+    logits_forward = 4 * tokens * pad_vocab(dims.vocab_size, layout.tp) / layout.tp
+    dense_shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    expert_shards = layout.expert_dp if layout.distributed_optimizer else 1
+
+    # Rollout engine, per GPU of one engine.
+    rollout_weights = params.total * training.rollout_weight_bytes / layout.rollout_tp
+    kv_per_token = rollout_kv_bytes_per_token(dims, layout.rollout_tp, training.kv_cache_bytes)
+    rollout_budget = training.rollout_gpu_memory_utilization * gpu_bytes - rollout_weights
+    report.rollout_kv_tokens_capacity = max(int(rollout_budget // kv_per_token), 0)
+    if report.rollout_kv_tokens_capacity < training.max_seq_len:
+        errors.append(
+            f"rollout engine: weights need {rollout_weights / GIB:.2f} GiB per GPU at rollout_tp={layout.rollout_tp}, "
+            f"leaving {max(rollout_budget, 0) / GIB:.2f} GiB of gpu_memory_utilization="
+            f"{training.rollout_gpu_memory_utilization} x {gpu_memory_gib} GiB for KV cache, less than one "
+            f"{training.max_seq_len}-token sequence ({training.max_seq_len * kv_per_token / GIB:.2f} GiB): "
+            f"raise rollout_tp or gpu memory"
+        )
+    elif report.rollout_kv_tokens_capacity < training.rollout_max_num_seqs * training.max_seq_len:
+        seqs = report.rollout_kv_tokens_capacity // training.max_seq_len
+        report.warnings.append(
+            f"rollout KV cache holds {report.rollout_kv_tokens_capacity:,} tokens: {seqs} full-length sequences "
+            f"at once, not rollout_max_num_seqs={training.rollout_max_num_seqs} (the engine will queue or preempt)"
+        )
+    rollout_engine = {
+        "rollout weights": rollout_weights,
+        # vLLM preallocates its whole budget as KV blocks, whatever the batch needs.
+        "rollout KV cache (reserved)": max(rollout_budget, 0),
+    }
+
+    per_stage_phases: list[list[PhaseMemory]] = []
+    first_layer = 0
+    for stage, n_layers in enumerate(stage_layers):
+        layer_kinds = list(dims.moe_layers[first_layer : first_layer + n_layers])
+        layers = params.per_layer[first_layer : first_layer + n_layers]
+        first_layer += n_layers
+        is_first, is_last = stage == 0, stage == layout.pp - 1
+        dense = expert = 0.0
+        for layer in layers:
+            d, e = _layer_gpu_params(layer, layout)
+            dense += d
+            expert += e
+        if is_first:
+            dense += vocab_shard
+        if is_last:
+            dense += params.final_norm
+            if not dims.tie_word_embeddings or layout.pp > 1:
+                dense += vocab_shard  # untied head, or the tied embedding's copy on the last stage
+        activations = _stage_activation_bytes(dims, layout, training, layer_kinds, stage, num_micro)
+        if is_last:
+            activations += logits_train
+        if is_last and layout.train_mtp and params.mtp_layer is not None:
+            d, e = _layer_gpu_params(params.mtp_layer, layout)
+            dense, expert = dense + dims.mtp_layers * d, expert + dims.mtp_layers * e
+            activations += dims.mtp_layers * (
+                layer_activation_bytes(dims, layout, tokens, params.mtp_layer.is_moe, layout.recompute) + logits_train
+            )
+        stage_params = dense + expert
+        optimizer = 0.0
+        if not layout.optimizer_cpu_offload:
+            optimizer = OPTIMIZER_BYTES * (dense / dense_shards + expert / expert_shards)
+        pb = training.param_bytes
+        actor = {
+            f"actor params ({'bf16' if pb == 2 else f'{pb} B'})": pb * stage_params,
+            "actor main grads (fp32)": GRAD_BYTES * stage_params,
+            "actor optimizer (fp32 master+m+v)": optimizer,
+        }
+        actor_params_only = dict(list(actor.items())[:1])
+        ref = {"reference params": pb * stage_params} if training.use_reference else {}
+        critic = {}
+        if training.use_critic:
+            # Same trunk as the actor; a value head (h -> 1) replaces the output head on the last stage.
+            has_head = is_last and (not dims.tie_word_embeddings or layout.pp > 1)
+            critic_params = stage_params - (vocab_shard if has_head else 0) + (dims.hidden_size if is_last else 0)
+            critic_optimizer = optimizer * critic_params / stage_params
+            critic = {
+                f"critic params ({'bf16' if pb == 2 else f'{pb} B'})": pb * critic_params,
+                "critic main grads (fp32)": GRAD_BYTES * critic_params,
+                "critic optimizer (fp32 master+m+v)": critic_optimizer,
+            }
+        forward_act = max(layer_activation_bytes(dims, layout, tokens, k, "none") for k in layer_kinds)
+        forward_act += logits_forward if is_last else 0
+        colocated = layout.placement == "colocated"
+        kept_train = {} if training.offload_train_state else {**actor, **ref, **critic}
+        kept_rollout = rollout_engine if colocated and not training.rollout_sleeps else {}
+
+        phases = []
+        if colocated:
+            phases.append(PhaseMemory("rollout", stage, {**rollout_engine, **kept_train, "framework overhead": overhead}))
+        logprob = {**kept_rollout, **kept_train, **actor_params_only, **ref}
+        logprob["forward activations (no grad)"] = forward_act
+        logprob["framework overhead"] = overhead
+        phases.append(PhaseMemory("log-prob (old + ref)", stage, logprob))
+        train = {**kept_rollout, **kept_train, **actor}
+        train["actor activations"] = activations
+        train["framework overhead"] = overhead
+        phases.append(PhaseMemory("actor train", stage, train))
+        if training.use_critic:
+            critic_train = {**kept_rollout, **kept_train, **critic}
+            critic_train["critic activations"] = activations - (logits_train if is_last else 0)
+            critic_train["framework overhead"] = overhead
+            phases.append(PhaseMemory("critic train", stage, critic_train))
+        per_stage_phases.append(phases)
+
+    for i in range(len(per_stage_phases[0])):
+        report.phases.append(max((stage[i] for stage in per_stage_phases), key=lambda p: p.total))
+    if layout.placement == "separate":
+        report.phases.insert(
+            0, PhaseMemory("rollout (rollout GPUs)", 0, {**rollout_engine, "framework overhead": overhead})
+        )
+    report.peak = max(report.phases, key=lambda p: p.total)
+    for phase in report.phases:
+        if phase.total > gpu_bytes:
+            top = sorted(phase.components.items(), key=lambda kv: -kv[1])[:3]
+            errors.append(
+                f"{phase.phase} needs {phase.total / GIB:.2f} GiB on pipeline stage {phase.stage} but the GPU has "
+                f"{gpu_memory_gib:.2f} GiB: over by {(phase.total - gpu_bytes) / GIB:.2f} GiB (largest: "
+                + ", ".join(f"{name} {value / GIB:.2f} GiB" for name, value in top)
+                + ")"
+            )
+    report.fits = not errors
+    return report

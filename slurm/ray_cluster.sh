@@ -1,0 +1,210 @@
+# shellcheck shell=bash
+# Start a Ray cluster over the nodes of a Slurm allocation, run launch/multinode.py on it, tear it down.
+#
+# Sourced by the slurm/grpo_*.sh job scripts, which call:  megarl_run_on_slurm <config.yaml> [overrides...]
+# The first node of $SLURM_JOB_NODELIST is the Ray head (the batch script runs there, and so does the driver);
+# every other node runs a Ray worker. Each node's `ray start --block` runs as one srun step, logging to
+# $LOG_DIR/<node>.log. SIGTERM/SIGINT (scancel, the --signal warning before the time limit) stop the driver,
+# then Ray on every node. Nodes authenticate with a per-job Ray token in $LOG_DIR (needs a shared filesystem).
+#
+# Environment knobs (defaults in brackets):
+#   MEGARL_SLURM_CONFIG          run config, overrides the script's default recipe
+#   MEGARL_SLURM_DEVICE          cuda | cpu [cuda]; cpu starts Ray with no GPUs (tests, CPU-only partitions)
+#   MEGARL_SLURM_GPUS_PER_NODE   GPUs (cuda) or worker processes (cpu) per node [$SLURM_GPUS_ON_NODE or 8]
+#   MEGARL_SLURM_CPUS_PER_NODE   CPUs Ray may use per node [Ray's own count; cpu device: GPUS_PER_NODE]
+#   MEGARL_RAY_PORT              GCS port of the head [6379]
+#   MEGARL_RAY_HEAD_IP           head address [first IP of `hostname --ip-address` on the head]
+#   MEGARL_RAY_TEMP_DIR          Ray session/socket dir [/tmp/ray_$SLURM_JOB_ID]; keep it short (socket paths)
+#   MEGARL_RAY_NODE_ARGS         extra `ray start` arguments, expanded on each node (so may differ per node)
+#   MEGARL_RAY_WAIT_TIMEOUT_S    how long to wait for all nodes to join [600]
+#   MEGARL_RAY_STOP_GRACE_S      seconds between SIGTERM and SIGKILL when stopping [30]
+#   MEGARL_SLURM_RAY_STOP        1: also run `ray stop --force` on every node at the end [1]
+#   LOG_DIR                      per-node logs, token [logs/slurm-$SLURM_JOB_ID]
+#   PYTHON                       interpreter [python]
+
+MEGARL_ROOT="${MEGARL_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
+PYTHON="${PYTHON:-python}"
+
+megarl_log() { echo "[ray_cluster $(date +%H:%M:%S)] $*" >&2; }
+
+# Node names of the allocation, one per line, head first.
+megarl_slurm_nodes() {
+    if [[ -z "${SLURM_JOB_NODELIST:-}" ]]; then
+        megarl_log "SLURM_JOB_NODELIST is not set: run this under sbatch/salloc"
+        return 1
+    fi
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+}
+
+megarl_head_ip() {
+    local head="$1"
+    if [[ -n "${MEGARL_RAY_HEAD_IP:-}" ]]; then
+        echo "$MEGARL_RAY_HEAD_IP"
+        return
+    fi
+    # hostname --ip-address may list several addresses (IPv6, docker bridges): take the first IPv4 one.
+    srun --nodes=1 --ntasks=1 --overlap -w "$head" hostname --ip-address | tr ' ' '\n' | grep -m1 -E '^[0-9]+\.'
+}
+
+# Start `ray start --block` on one node as a background srun step; record its pid.
+megarl_start_ray_node() {
+    local node="$1" role="$2"
+    local -a args=(--disable-usage-stats --block --resources "{\"megarl_node:${node}\": 1}")
+    if [[ "$role" == head ]]; then
+        args+=(--head --node-ip-address "$MEGARL_HEAD_IP" --port "$MEGARL_RAY_PORT" --temp-dir "$MEGARL_RAY_TEMP_DIR"
+               --include-dashboard false)
+    else
+        args+=(--address "$MEGARL_HEAD_IP:$MEGARL_RAY_PORT")
+    fi
+    if [[ "$MEGARL_SLURM_DEVICE" == cpu ]]; then
+        args+=(--num-gpus 0 --num-cpus "${MEGARL_SLURM_CPUS_PER_NODE:-$MEGARL_SLURM_GPUS_PER_NODE}")
+    else
+        args+=(--num-gpus "$MEGARL_SLURM_GPUS_PER_NODE")
+        [[ -n "${MEGARL_SLURM_CPUS_PER_NODE:-}" ]] && args+=(--num-cpus "$MEGARL_SLURM_CPUS_PER_NODE")
+    fi
+    # MEGARL_RAY_NODE_ARGS is expanded by the shell on the node (single quotes), so a node-local value wins.
+    srun --nodes=1 --ntasks=1 --overlap -w "$node" \
+        bash -c 'exec ray start "$@" $MEGARL_RAY_NODE_ARGS' ray-start "${args[@]}" \
+        >"$LOG_DIR/$node.log" 2>&1 &
+    MEGARL_RAY_PIDS+=("$!")
+    MEGARL_RAY_PID_NODES+=("$node")
+    megarl_log "started ray $role on $node (srun pid $!, log $LOG_DIR/$node.log)"
+}
+
+megarl_wait_for_cluster() {
+    "$PYTHON" "$MEGARL_ROOT/launch/cluster_wait.py" --address "$MEGARL_HEAD_IP:$MEGARL_RAY_PORT" \
+        --nodes "${#MEGARL_NODES[@]}" --per-node "$MEGARL_SLURM_GPUS_PER_NODE" --device "$MEGARL_SLURM_DEVICE" \
+        --timeout-s "${MEGARL_RAY_WAIT_TIMEOUT_S:-600}"
+}
+
+# Send a signal to a pid, and to its process group when it leads one (a local srun/ray start), never to ours.
+megarl_signal_tree() {
+    local sig="$1" pid="$2" pgid
+    pgid="$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')"
+    if [[ -n "$pgid" && "$pgid" == "$pid" && "$pgid" != "$(ps -o pgid= -p $$ | tr -d ' ')" ]]; then
+        kill "-$sig" -- "-$pgid" 2>/dev/null
+    else
+        kill "-$sig" "$pid" 2>/dev/null
+    fi
+}
+
+megarl_wait_pids_gone() {
+    local timeout="$1"; shift
+    local deadline=$((SECONDS + timeout)) pid alive
+    while :; do
+        alive=0
+        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        ((alive == 0)) && return 0
+        ((SECONDS >= deadline)) && return 1
+        sleep 1
+    done
+}
+
+megarl_stop_cluster() {
+    [[ "${MEGARL_CLUSTER_STOPPED:-0}" == 1 ]] && return 0
+    MEGARL_CLUSTER_STOPPED=1
+    local grace="${MEGARL_RAY_STOP_GRACE_S:-30}" pid node
+    megarl_log "stopping ray on ${#MEGARL_RAY_PIDS[@]} node(s)"
+    # Workers first so the head does not spend the grace period reporting dead nodes.
+    for ((i = ${#MEGARL_RAY_PIDS[@]} - 1; i >= 0; i--)); do
+        megarl_signal_tree TERM "${MEGARL_RAY_PIDS[$i]}"
+    done
+    if ! megarl_wait_pids_gone "$grace" "${MEGARL_RAY_PIDS[@]}"; then
+        megarl_log "ray did not exit within ${grace}s of SIGTERM: sending SIGKILL"
+        for pid in "${MEGARL_RAY_PIDS[@]}"; do megarl_signal_tree KILL "$pid"; done
+    fi
+    if [[ "${MEGARL_SLURM_RAY_STOP:-1}" == 1 ]]; then
+        # Remote raylets whose srun step got SIGKILL are not reached by the signal: stop them on their node.
+        for node in "${MEGARL_NODES[@]}"; do
+            srun --nodes=1 --ntasks=1 --overlap -w "$node" ray stop --force >>"$LOG_DIR/$node.log" 2>&1 &
+        done
+        wait
+    fi
+    megarl_log "ray stopped"
+}
+
+megarl_on_signal() {
+    local sig="$1"
+    megarl_log "received SIG$sig: stopping the driver and the cluster"
+    if [[ -n "${MEGARL_DRIVER_PID:-}" ]] && kill -0 "$MEGARL_DRIVER_PID" 2>/dev/null; then
+        megarl_signal_tree TERM "$MEGARL_DRIVER_PID"
+        if ! megarl_wait_pids_gone "${MEGARL_RAY_STOP_GRACE_S:-30}" "$MEGARL_DRIVER_PID"; then
+            megarl_signal_tree KILL "$MEGARL_DRIVER_PID"
+        fi
+    fi
+    megarl_stop_cluster
+    trap - EXIT
+    [[ "$sig" == INT ]] && exit 130
+    exit 143
+}
+
+megarl_run_on_slurm() {
+    local config="${MEGARL_SLURM_CONFIG:-$1}"
+    shift
+    if [[ -z "$config" || ! -f "$config" ]]; then
+        megarl_log "run config '$config' not found (argument 1 or MEGARL_SLURM_CONFIG)"
+        return 2
+    fi
+    MEGARL_SLURM_DEVICE="${MEGARL_SLURM_DEVICE:-cuda}"
+    if [[ "$MEGARL_SLURM_DEVICE" != cuda && "$MEGARL_SLURM_DEVICE" != cpu ]]; then
+        megarl_log "MEGARL_SLURM_DEVICE must be cuda or cpu, got '$MEGARL_SLURM_DEVICE'"
+        return 2
+    fi
+    MEGARL_SLURM_GPUS_PER_NODE="${MEGARL_SLURM_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+    MEGARL_RAY_PORT="${MEGARL_RAY_PORT:-6379}"
+    MEGARL_RAY_TEMP_DIR="${MEGARL_RAY_TEMP_DIR:-/tmp/ray_${SLURM_JOB_ID:-$$}}"
+    LOG_DIR="${LOG_DIR:-$MEGARL_ROOT/logs/slurm-${SLURM_JOB_ID:-$$}}"
+    mkdir -p "$LOG_DIR"
+    mapfile -t MEGARL_NODES < <(megarl_slurm_nodes) || return 1
+    if ((${#MEGARL_NODES[@]} == 0)); then
+        megarl_log "no nodes in SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST'"
+        return 1
+    fi
+    MEGARL_RAY_PIDS=()
+    MEGARL_RAY_PID_NODES=()
+    MEGARL_CLUSTER_STOPPED=0
+    trap 'megarl_on_signal TERM' TERM
+    trap 'megarl_on_signal INT' INT
+    trap 'megarl_stop_cluster' EXIT
+
+    # A fresh token per job: only processes that can read $LOG_DIR can join or drive this cluster.
+    export RAY_AUTH_MODE=token
+    export RAY_AUTH_TOKEN_PATH="$LOG_DIR/ray_auth_token"
+    (umask 077 && "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))' >"$RAY_AUTH_TOKEN_PATH")
+
+    local head="${MEGARL_NODES[0]}"
+    MEGARL_HEAD_IP="$(megarl_head_ip "$head")"
+    if [[ -z "$MEGARL_HEAD_IP" ]]; then
+        megarl_log "could not find an IPv4 address of head node $head; set MEGARL_RAY_HEAD_IP"
+        return 1
+    fi
+    export MEGARL_HEAD_IP MEGARL_RAY_PORT MEGARL_RAY_TEMP_DIR MEGARL_SLURM_DEVICE MEGARL_SLURM_GPUS_PER_NODE
+    megarl_log "nodes: ${MEGARL_NODES[*]}; head $head at $MEGARL_HEAD_IP:$MEGARL_RAY_PORT; device $MEGARL_SLURM_DEVICE x $MEGARL_SLURM_GPUS_PER_NODE per node"
+
+    megarl_start_ray_node "$head" head
+    local node
+    for node in "${MEGARL_NODES[@]:1}"; do
+        megarl_start_ray_node "$node" worker
+    done
+    # In the background so a trapped SIGTERM is handled at once instead of after the wait.
+    megarl_wait_for_cluster &
+    MEGARL_DRIVER_PID=$!
+    if ! wait "$MEGARL_DRIVER_PID"; then
+        megarl_log "cluster did not come up; per-node logs in $LOG_DIR"
+        megarl_stop_cluster
+        return 1
+    fi
+
+    local -a shape=(trainer.nnodes="${#MEGARL_NODES[@]}" trainer.n_gpus_per_node="$MEGARL_SLURM_GPUS_PER_NODE")
+    [[ "$MEGARL_SLURM_DEVICE" == cpu ]] && shape+=(trainer.device=cpu)
+    # The allocation's shape first, so explicit overrides on the command line still win.
+    "$PYTHON" "$MEGARL_ROOT/launch/multinode.py" --config "$config" --address "$MEGARL_HEAD_IP:$MEGARL_RAY_PORT" \
+        "${shape[@]}" "$@" &
+    MEGARL_DRIVER_PID=$!
+    # `wait` returns early when a trapped signal arrives, so the trap runs without waiting for the driver.
+    local rc=0
+    wait "$MEGARL_DRIVER_PID" || rc=$?
+    megarl_log "driver exited with status $rc"
+    megarl_stop_cluster
+    return "$rc"
+}
