@@ -1,0 +1,66 @@
+"""The streaming safetensors writer/reader agree with the safetensors library, publish files atomically,
+and refuse plan mismatches and corrupt headers with errors that name the tensor or file."""
+
+import os
+import struct
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megarl.models.convert.safetensors_stream import (
+    PlannedTensor, StreamingSafetensorsWriter, read_safetensors_header, read_tensor,
+)
+
+
+def test_written_file_reads_back_with_safe_open_and_pread(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4, 2).to(torch.bfloat16), "d": torch.randn(2, 3).to(torch.float8_e4m3fn)}
+    path = str(tmp_path / "x.safetensors")
+    writer = StreamingSafetensorsWriter(path, [PlannedTensor(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
+                                        metadata={"format": "pt"})
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    assert not os.path.exists(path)  # nothing under the final name before close()
+    size, _ = writer.close()
+    assert size == os.path.getsize(path)
+    with safe_open(path, framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        for name, tensor in tensors.items():
+            assert torch.equal(handle.get_tensor(name).view(torch.uint8), tensor.view(torch.uint8))
+    header, _ = read_safetensors_header(path)
+    assert torch.equal(read_tensor(header["a"], row_start=1, row_end=3), tensors["a"][1:3])
+
+
+def test_reader_matches_files_written_by_safetensors(tmp_path):
+    path = str(tmp_path / "y.safetensors")
+    tensors = {"w": torch.randn(6, 4), "v": torch.randn(9).half()}
+    save_file(tensors, path)
+    header, _ = read_safetensors_header(path)
+    for name, tensor in tensors.items():
+        assert torch.equal(read_tensor(header[name]), tensor)
+
+
+def test_plan_mismatch_and_early_close_raise_and_leave_no_file(tmp_path):
+    path = str(tmp_path / "z.safetensors")
+    writer = StreamingSafetensorsWriter(path, [PlannedTensor("a", torch.float32, (2, 2)),
+                                               PlannedTensor("b", torch.float32, (2,))])
+    with pytest.raises(ValueError, match=r"tensor 'a' is torch.float32\(3, 2\), planned torch.float32\(2, 2\)"):
+        writer.add("a", torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="got tensor 'b', planned 'a' next"):
+        writer.add("b", torch.zeros(2))
+    writer.add("a", torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="1 planned tensors unwritten"):
+        writer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_corrupt_header_names_the_file(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", 10**9) + b"{}")
+    with pytest.raises(ValueError, match="bad.safetensors: header length"):
+        read_safetensors_header(path)
+    path.write_bytes(struct.pack("<Q", 2) + b"{x")
+    with pytest.raises(ValueError, match="bad.safetensors: header is not valid JSON"):
+        read_safetensors_header(path)
