@@ -28,6 +28,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass
 class LogProbs:
+    """Per-token results of a DP shard; a dataclass so DP_COLLECT concatenates field by field."""
+
     log_probs: torch.Tensor
     entropy: torch.Tensor
 
@@ -187,10 +189,11 @@ class ActorRolloutRefWorker(_MegatronRole):
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
-    def compute_log_probs(self, batch: TrainBatch):
+    def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
         mbs = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         log_probs, entropy = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
-        return log_probs, entropy
+        # The driver's batches live on the CPU (it may have no GPU at all); never hand it device tensors.
+        return LogProbs(log_probs.cpu(), entropy.cpu())
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_ref_log_probs(self, batch: TrainBatch):
@@ -198,7 +201,7 @@ class ActorRolloutRefWorker(_MegatronRole):
             raise RuntimeError("this actor worker was built without a reference model")
         mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
-        return log_probs
+        return log_probs.cpu()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_actor(self, batch: TrainBatch) -> dict:
@@ -253,7 +256,7 @@ class CriticWorker(_MegatronRole):
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_values(self, batch: TrainBatch):
-        return self.critic.compute_values(batch)
+        return self.critic.compute_values(batch).cpu()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_critic(self, batch: TrainBatch) -> dict:

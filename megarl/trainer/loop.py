@@ -109,7 +109,8 @@ class RLTrainer:
                 batch.token_level_scores, scores, reward_metrics = score_rollout(
                     self.reward_manager, self.tokenizer, batch)
             with timed("old_log_prob", metrics):
-                batch.old_log_probs, entropy = self.actor.call("compute_log_probs", batch)
+                actor_out = self.actor.call("compute_log_probs", batch)
+                batch.old_log_probs, entropy = actor_out.log_probs, actor_out.entropy
             if needs_reference(cfg):
                 with timed("ref", metrics):
                     batch.ref_log_probs = self.actor.call("compute_ref_log_probs", batch)

@@ -10,6 +10,7 @@ placement group per node and print the placement. Teardown kills, by PID, every 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -77,6 +78,7 @@ actor_rollout_ref:
     ppo_mini_batch_size: 16
     ppo_micro_batch_size_per_gpu: 8
     megatron:
+      tensor_model_parallel_size: 2
       use_distributed_optimizer: false
   rollout:
     name: hf
@@ -84,11 +86,15 @@ actor_rollout_ref:
     log_prob_micro_batch_size_per_gpu: 8
 trainer:
   experiment_name: slurm_sim
-  total_training_steps: 1
+  total_training_steps: 2
+  save_freq: -1
+  test_freq: -1
+  val_before_train: false
+  progress_bar: false
   nnodes: 2
   n_gpus_per_node: 2
   device: cpu
-  worker_timeout_s: 60
+  worker_timeout_s: 300
 """
 
 
@@ -217,6 +223,21 @@ def test_dry_run_places_ranks_on_both_nodes(sim):
     assert set(node_of_rank.values()) == {"simnode1", "simnode2"}
     assert "Ray runtime started" in (sim.log_dir / "simnode1.log").read_text()
     assert "Ray runtime started" in (sim.log_dir / "simnode2.log").read_text()
+    assert wait_until_gone(sim.markers, 30) == [], "ray processes left after the job script ended"
+
+
+@pytest.mark.timeout(480)
+def test_job_trains_across_both_simulated_nodes(sim):
+    """No --dry-run: the script starts the cluster and the real trainer runs 2 GRPO steps on 4 ranks
+    (TP=2 inside a node, DP=2 across the two nodes)."""
+    proc = sim()
+    rc = proc.wait(timeout=460)
+    output = sim.output.read_text()
+    assert rc == 0, output
+    rows = [json.loads(line) for line in
+            (sim.output.parent / "outputs" / "megarl" / "slurm_sim" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2], output
+    assert all(0.0 <= row["critic/score/mean"] <= 1.0 for row in rows)
     assert wait_until_gone(sim.markers, 30) == [], "ray processes left after the job script ended"
 
 
