@@ -29,7 +29,6 @@ def register_kl_estimator(name: str) -> Callable[[KLEstimatorFn], KLEstimatorFn]
     return KL_ESTIMATORS.register(name)
 
 
-@register_kl_estimator("k1")
 def estimate_kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return log_probs - ref_log_probs
 
@@ -48,6 +47,8 @@ def estimate_kl_abs(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> tor
     return (log_probs - ref_log_probs).abs()
 
 
+for _alias in ("k1", "kl"):  # "kl" is verl's name for the plain log-ratio
+    register_kl_estimator(_alias)(estimate_kl_k1)
 for _alias in ("k2", "mse"):
     register_kl_estimator(_alias)(estimate_kl_k2)
 for _alias in ("k3", "low_var_kl"):

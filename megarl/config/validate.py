@@ -152,6 +152,11 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
                 f"trainer.placement=separate needs 0 < trainer.rollout_gpus < {world_size(cfg)} processes, "
                 f"got {t.rollout_gpus}"
             )
+        if t.nnodes > 1 and t.rollout_gpus % t.n_gpus_per_node:
+            raise ConfigError(
+                f"trainer.placement=separate on {t.nnodes} nodes gives the rollout whole nodes: trainer.rollout_gpus="
+                f"{t.rollout_gpus} must be a multiple of trainer.n_gpus_per_node={t.n_gpus_per_node}"
+            )
     n_train = training_world_size(cfg)
     dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train)
     _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,

@@ -47,4 +47,7 @@ class InProcessWorkerGroup:
         return collect_results(spec.collect, [result], layout=self._layout, method_name=method_name)
 
     def shutdown(self) -> None:
+        """Release what the worker holds, including torch.distributed, so another run can start here."""
+        if self.worker is not None and hasattr(self.worker, "close"):
+            self.worker.close()
         self.worker = None

@@ -6,7 +6,10 @@ is in-process (:class:`megarl.weight_sync.ColocatedTransport`). ``CriticWorker``
 Both are plain classes (no Ray import) whose methods declare how the driver's arguments are split and
 results gathered (:mod:`megarl.controller.dispatch`). Generation is data parallel over every rank (each
 rank holds a whole rollout replica, rollout TP=1); training is split by Megatron's data-parallel rank.
-Leaves out: rollout TP>1 across ranks and separate (disaggregated) rollout placement.
+With ``trainer.placement=separate`` the rollout replicas are ``RolloutWorker``s on their own pool and
+training rank 0 streams the gathered buckets to them through Ray's object store
+(:class:`ObjectStoreTransport`). Leaves out: rollout TP>1 across ranks, and NCCL weight broadcast to
+separate rollout GPUs (the object store path copies through host memory).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+from megarl.weight_sync.transport import WeightTransport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -115,6 +119,15 @@ class _MegatronRole:
         if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
             engine.optimizer.reload_model_params()
 
+    def close(self) -> None:
+        """Tear down megatron's groups and the process group (a Ray worker just exits instead)."""
+        from megarl.engines.megatron.parallel import destroy_megatron_parallel
+
+        rollout = getattr(self, "rollout", None)
+        if rollout is not None:
+            rollout.shutdown()
+        destroy_megatron_parallel()
+
     def get_dp_info(self) -> DPInfo:
         return DPInfo(self.rank_info.dp_rank, self.rank_info.dp_size, self.rank_info.is_collect_rank)
 
@@ -126,9 +139,8 @@ def _unwrap(module):
 
 
 class ActorRolloutRefWorker(_MegatronRole):
-    def __init__(self, cfg: MegarlConfig, *, total_steps: int, with_reference: bool):
+    def __init__(self, cfg: MegarlConfig, *, total_steps: int, with_reference: bool, separate_rollout: bool = False):
         from megarl.engines.megatron.actor import ActorEngine, ReferenceEngine
-        from megarl.engines.rollout.base import build_rollout_engine
 
         arr = cfg.actor_rollout_ref
         self._bring_up(cfg, arr.actor.megatron, arr.model.path)
@@ -150,39 +162,39 @@ class ActorRolloutRefWorker(_MegatronRole):
                 temperature=arr.rollout.temperature or 1.0, vocab_size=self.bridge.dims.vocab_size,
             )
             self._load_hf(self.reference)
-        rollout = arr.rollout
-        engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
-        if rollout.name == "vllm":
-            engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
-                                 enforce_eager=rollout.enforce_eager,
-                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                                 seed=cfg.trainer.seed + self.rank_info.rank)
-            if rollout.kv_cache_memory_mb:
-                engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
-        self.rollout = build_rollout_engine(rollout.name, self.model_path, **engine_kwargs)
-        self.rollout_dtype = _DTYPES[rollout.dtype]
-        self.bucket_bytes = rollout.weight_sync_bucket_mb * 2**20
-        self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
+        self.rollout_dtype = _DTYPES[arr.rollout.dtype]
+        self.bucket_bytes = arr.rollout.weight_sync_bucket_mb * 2**20
+        self.rollout_peers: list = []  # separate placement: the rollout workers' actor handles
+        self.rollout = None
+        if not separate_rollout:
+            self.rollout = build_rollout_engine_for(cfg, self.model_path, seed_offset=self.rank_info.rank)
+            self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
     def generate(self, prompt_token_ids: list[list[int]], sampling):
-        from dataclasses import replace
+        if self.rollout is None:
+            raise RuntimeError("trainer.placement=separate: generation runs on the RolloutWorker group")
+        return generate_on_rank(self.rollout, prompt_token_ids, sampling, rank=self.rank_info.rank)
 
-        if not prompt_token_ids:
-            return []
-        if sampling.seed is not None:  # each rank a distinct, reproducible stream
-            sampling = replace(sampling, seed=sampling.seed * 7919 + self.rank_info.rank)
-        return self.rollout.generate(prompt_token_ids, sampling)
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def attach_rollout_peers(self, peers: list) -> None:
+        """Separate placement: rank 0 streams every weight bucket to these rollout workers."""
+        self.rollout_peers = list(peers)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def sync_weights(self) -> dict:
-        from megarl.weight_sync import ColocatedTransport, sync_weights
+        from megarl.weight_sync import ColocatedTransport, DiscardTransport, sync_weights
 
+        if self.rollout is not None:
+            transport = ColocatedTransport(self.rollout)
+        elif self.rollout_peers and self.rank_info.rank == 0:
+            transport = ObjectStoreTransport(self.rollout_peers)
+        else:  # the other ranks take part in the gather collectives only
+            transport = DiscardTransport()
         num_experts = self.bridge.dims.num_experts
         stats = sync_weights(
-            self.actor.model, self.bridge, ColocatedTransport(self.rollout), bucket_bytes=self.bucket_bytes,
-            dtype=self.rollout_dtype,
+            self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes, dtype=self.rollout_dtype,
             num_local_experts=num_experts // self.layout.expert_parallel if num_experts else None,
         )
         return stats.as_metrics()
@@ -276,6 +288,77 @@ class CriticWorker(_MegatronRole):
         from megarl.engines.megatron.checkpoint import load_checkpoint
 
         return load_checkpoint(self.critic, root)
+
+
+def generate_on_rank(engine, prompt_token_ids: list[list[int]], sampling, *, rank: int):
+    """Generate this rank's share; a seeded request gets a distinct, reproducible stream per rank."""
+    from dataclasses import replace
+
+    if not prompt_token_ids:
+        return []
+    if sampling.seed is not None:
+        sampling = replace(sampling, seed=sampling.seed * 7919 + rank)
+    return engine.generate(prompt_token_ids, sampling)
+
+
+def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int):
+    from megarl.engines.rollout.base import build_rollout_engine
+
+    rollout = cfg.actor_rollout_ref.rollout
+    engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
+    if rollout.name == "vllm":
+        engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                             enforce_eager=rollout.enforce_eager,
+                             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                             seed=cfg.trainer.seed + seed_offset)
+        if rollout.kv_cache_memory_mb:
+            engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
+    return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
+
+
+class ObjectStoreTransport(WeightTransport):
+    """Separate placement: each bucket goes once into Ray's object store and every rollout worker loads it.
+
+    Waiting for all workers before the next bucket keeps the extra memory at one bucket.
+    """
+
+    def __init__(self, peers: list):
+        self.peers = peers
+
+    def send(self, bucket) -> None:
+        import ray
+
+        ref = ray.put(bucket)
+        ray.get([peer.execute.remote("load_weight_bucket", ref) for peer in self.peers])
+
+    def finish(self) -> None:
+        import ray
+
+        ray.get([peer.execute.remote("finish_weight_update") for peer in self.peers])
+
+
+class RolloutWorker:
+    """Separate placement: a rollout engine replica on its own device, fed weights by the trainer."""
+
+    def __init__(self, cfg: MegarlConfig):
+        from megarl.controller.worker_env import read_worker_context
+        from megarl.models.embedded import resolve_model_path
+
+        self.context = read_worker_context()
+        if self.context.device == "cuda":
+            torch.cuda.set_device(self.context.local_device_index)
+        self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
+                                               seed_offset=self.context.rank)
+
+    @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
+    def generate(self, prompt_token_ids: list[list[int]], sampling):
+        return generate_on_rank(self.engine, prompt_token_ids, sampling, rank=self.context.rank)
+
+    def load_weight_bucket(self, bucket) -> None:
+        self.engine.update_weights(bucket)
+
+    def finish_weight_update(self) -> None:
+        self.engine.finish_weight_update()
 
 
 def _policy_loss_name(configured: str) -> str:

@@ -57,7 +57,8 @@ def split_evenly(items: list, parts: int) -> list[list]:
 
 class RLTrainer:
     def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, reward_manager, actor_group,
-                 critic_group=None, logger: MetricsLogger, checkpoints: CheckpointManager, total_steps: int):
+                 critic_group=None, rollout_group=None, logger: MetricsLogger, checkpoints: CheckpointManager,
+                 total_steps: int):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_loader = train_loader
@@ -65,6 +66,7 @@ class RLTrainer:
         self.reward_manager = reward_manager
         self.actor = actor_group
         self.critic = critic_group
+        self.rollout = rollout_group or actor_group  # separate placement: its own group; else the hybrid actor
         self.logger = logger
         self.checkpoints = checkpoints
         self.total_steps = total_steps
@@ -150,10 +152,10 @@ class RLTrainer:
 
     def generate(self, prompts, sampling: SamplingConfig) -> RolloutBatch:
         prompt_ids = unpadded_prompts(prompts.input_ids, prompts.attention_mask)
-        world = self.actor.world_size
+        world = self.rollout.world_size
         chunks = split_evenly(list(range(len(prompt_ids))), world)
         per_rank = [[prompt_ids[i] for i in chunk] for chunk in chunks]
-        outputs_per_rank = self.actor.call("generate", per_rank, [sampling] * world)
+        outputs_per_rank = self.rollout.call("generate", per_rank, [sampling] * world)
         responses, prompt_index, log_probs = [], [], []
         for chunk, outputs in zip(chunks, outputs_per_rank):
             for out in outputs:
@@ -198,9 +200,9 @@ class RLTrainer:
             first_rows.setdefault(gid, row)
         rows = list(first_rows.values())
         prompts = [batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist() for r in rows]
-        chunks = split_evenly(list(range(len(prompts))), self.actor.world_size)
+        chunks = split_evenly(list(range(len(prompts))), self.rollout.world_size)
         greedy = SamplingConfig.greedy(max_tokens=self.cfg.data.max_response_length)
-        outputs = self.actor.call("generate", [[prompts[i] for i in c] for c in chunks], [greedy] * len(chunks))
+        outputs = self.rollout.call("generate", [[prompts[i] for i in c] for c in chunks], [greedy] * len(chunks))
         responses = [o.token_ids for outs in outputs for o in outs]
         greedy_batch = assemble_rollout_batch(
             prompts=prompts, responses=responses, prompt_index=list(range(len(prompts))),

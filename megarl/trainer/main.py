@@ -46,6 +46,20 @@ def build_data(cfg: MegarlConfig, tokenizer):
     return loader, val
 
 
+def split_nodes(cfg: MegarlConfig) -> tuple[list[int], list[int]]:
+    """Processes per node of the training pool and of the rollout pool (empty when colocated).
+
+    Separate placement on one node splits its processes; on several nodes the rollout takes whole nodes.
+    """
+    t = cfg.trainer
+    if t.placement != "separate":
+        return [t.n_gpus_per_node] * t.nnodes, []
+    if t.nnodes == 1:
+        return [t.n_gpus_per_node - t.rollout_gpus], [t.rollout_gpus]
+    rollout_nodes = t.rollout_gpus // t.n_gpus_per_node
+    return [t.n_gpus_per_node] * (t.nnodes - rollout_nodes), [t.n_gpus_per_node] * rollout_nodes
+
+
 def build_reward_manager(cfg: MegarlConfig):
     from megarl.rewards import RewardManager, load_custom_reward_fn
 
@@ -58,15 +72,13 @@ def run(cfg: MegarlConfig) -> list[dict]:
     """Train to the end of ``cfg``; returns the per-step metric history."""
     from transformers import AutoTokenizer
 
-    from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker, worker_env_for
+    from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker, RolloutWorker, worker_env_for
     from megarl.models.embedded import resolve_model_path
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.metrics import MetricsLogger
 
     t = cfg.trainer
     device = resolve_device(cfg)
-    if t.placement == "separate":
-        raise NotImplementedError("trainer.placement=separate is not implemented yet; use colocate")
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
     train_loader, val_dataset = build_data(cfg, tokenizer)
@@ -81,6 +93,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     started_ray = False
     try:
         with_critic = bool(cfg.critic.enable)
+        rollout_group = None
         actor_kwargs = dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg))
         critic_kwargs = dict(cfg=cfg, total_steps=total_steps)
         if t.backend == "inprocess":
@@ -103,14 +116,24 @@ def run(cfg: MegarlConfig) -> list[dict]:
                 init_ray(t.ray_address, num_cpus=None if t.ray_address else max(4, t.n_gpus_per_node * 2),
                          extra_env=worker_env_for(cfg))
                 started_ray = True
-            pool = ResourcePool("colocated", [t.n_gpus_per_node] * t.nnodes, device=device,
-                                cpus_per_process=1.0 if device == "cuda" else 0.5)
+            separate = t.placement == "separate"
+            per_process_cpus = 1.0 if device == "cuda" else 0.5
+            train_nodes, rollout_nodes = split_nodes(cfg)
+            pool = ResourcePool("train" if separate else "colocated", train_nodes, device=device,
+                                cpus_per_process=per_process_cpus)
             share = 0.5 if with_critic else 1.0
             timeout = t.worker_timeout_s
             actor = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
-                                init_kwargs=actor_kwargs, env=worker_env_for(cfg), call_timeout_s=timeout,
-                                init_timeout_s=timeout)
+                                init_kwargs={**actor_kwargs, "separate_rollout": separate}, env=worker_env_for(cfg),
+                                call_timeout_s=timeout, init_timeout_s=timeout)
             groups.append(actor)
+            if separate:
+                rollout_pool = ResourcePool("rollout", rollout_nodes, device=device, cpus_per_process=per_process_cpus)
+                rollout_group = WorkerGroup(rollout_pool, RolloutWorker, name_prefix="rollout", init_kwargs=dict(cfg=cfg),
+                                            env=worker_env_for(cfg), call_timeout_s=timeout, init_timeout_s=timeout)
+                groups.append(rollout_group)
+                actor.call("attach_rollout_peers", rollout_group.actors)
+                actor.call("sync_weights")  # the rollout replicas start from exactly the trainer's weights
             critic = None
             if with_critic:
                 critic = WorkerGroup(pool, CriticWorker, name_prefix="critic", bundle_share=share,
@@ -119,6 +142,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
                 groups.append(critic)
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
                             reward_manager=reward_manager, actor_group=actor, critic_group=critic, logger=logger,
+                            rollout_group=rollout_group,
                             checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
                             total_steps=total_steps)
         return trainer.fit()

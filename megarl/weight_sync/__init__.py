@@ -3,6 +3,6 @@
 from megarl.weight_sync.buckets import SyncStats, bucketize
 from megarl.weight_sync.gather import iter_hf_tensors
 from megarl.weight_sync.sync import sync_weights
-from megarl.weight_sync.transport import ColocatedTransport, WeightTransport
+from megarl.weight_sync.transport import ColocatedTransport, DiscardTransport, WeightTransport
 
-__all__ = ["ColocatedTransport", "SyncStats", "WeightTransport", "bucketize", "iter_hf_tensors", "sync_weights"]
+__all__ = ["ColocatedTransport", "DiscardTransport", "SyncStats", "WeightTransport", "bucketize", "iter_hf_tensors", "sync_weights"]

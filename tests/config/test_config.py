@@ -73,11 +73,14 @@ def test_yaml_file_errors_name_file_and_key(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
-def test_estimator_choices_match_algorithm_registry():
-    registry = pytest.importorskip("megarl.algorithms.registry")
-    names = set(getattr(registry, "list_advantage_estimators", lambda: [])())
-    if names:
-        assert set(ADVANTAGE_ESTIMATORS) == names
+def test_estimator_and_loss_choices_match_algorithm_registries():
+    from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS as REGISTERED
+    from megarl.algorithms.policy_loss import POLICY_LOSSES as REGISTERED_LOSSES
+    from megarl.config.validate import POLICY_LOSSES
+
+    assert set(ADVANTAGE_ESTIMATORS) == set(REGISTERED.names())
+    # dual_clip is ppo_clip with clip_ratio_c (the worker maps it), the others are registry names.
+    assert set(POLICY_LOSSES) - {"dual_clip"} == set(REGISTERED_LOSSES.names())
 
 
 def test_every_shipped_recipe_validates():
@@ -85,3 +88,11 @@ def test_every_shipped_recipe_validates():
     assert recipes, "configs/ ships recipes"
     for recipe in recipes:
         load_config(recipe)
+
+
+def test_kl_choices_match_algorithm_registry():
+    from megarl.algorithms.kl import KL_ESTIMATORS
+    from megarl.config.validate import KL_TYPES
+
+    for name in KL_TYPES:
+        KL_ESTIMATORS.get(name)  # raises for a name the config accepts but the algorithms do not know

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
+#   bash bench/run_device.sh smoke|full
+# Expects PYTHONPATH to hold megatron-core and the repo, and $OUT to be the folder that comes back.
+# Writes $OUT/<mode>.log (everything) and one JSON per benchmark; a failing step is logged and the
+# others still run (rc of each step is printed in the summary at the end).
+set -uo pipefail
+MODE=${1:-smoke}
+OUT=${OUT:-/tmp/megarl_bench_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONWARNINGS=ignore
+LOG="$OUT/$MODE.log"
+SUMMARY=""
+
+step() {  # step NAME CMD...
+  local name=$1; shift
+  echo "=== [$name] $(date -u +%FT%TZ) $*" | tee -a "$LOG"
+  local start=$SECONDS
+  "$@" 2>&1 | grep -v -E "Loading weights|Writing model shards|UserWarning|warnings.warn" | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  SUMMARY+="$name rc=$rc $((SECONDS - start))s"$'\n'
+  echo "=== [$name] rc=$rc in $((SECONDS - start))s" | tee -a "$LOG"
+}
+
+step env bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv;
+  python3 -c "import sys,torch,transformers,megatron.core as m; print(sys.version); print(\"torch\",torch.__version__,
+  \"cuda\",torch.version.cuda,\"mcore\",m.__version__,\"transformers\",transformers.__version__,
+  torch.cuda.get_device_name())"; python3 -m pip list 2>/dev/null | grep -i -E "^(safetensors|pyarrow|tensorboard|tokenizers|pyyaml|tqdm|ray|vllm|transformer.engine|flash.attn|apex) "'
+
+GRPO_DIR=/tmp/megarl_grpo_$MODE
+if [ "$MODE" = smoke ]; then
+  step parity python3 -m pytest tests/gpu tests/engines/megatron/test_cuda_redirect_and_offload_gpu.py -q -s -p no:cacheprovider
+  step train python3 -m bench.train_throughput --models 0.5b --prompt-len 512 --response-len 1536 --rows 4 \
+    --group-size 4 --warmup 1 --iters 1 --hf-attn sdpa,eager --out "$OUT/train_smoke.json"
+  step logprob python3 -m bench.logprob_bench --batch 2 --seq 1024 --warmup 1 --iters 2 --out "$OUT/logprob_smoke.json"
+  step weight_sync python3 -m bench.weight_sync_bench --models 0.5b --bucket-mb 512 --iters 2 \
+    --out "$OUT/weight_sync_smoke.json"
+  step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
+    trainer.device=cuda trainer.total_training_steps=3 trainer.test_freq=100 trainer.save_freq=100 \
+    trainer.default_local_dir=$GRPO_DIR
+else
+  if [ "${RUN_PARITY:-0}" = 1 ]; then
+    step parity python3 -m pytest tests/gpu -q -s -p no:cacheprovider
+  fi
+  step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \
+    --group-size 8 --warmup 1 --iters 2 --hf-attn sdpa,eager --profile --out "$OUT/train.json"
+  # Same model, shorter rows, 4 rows per micro-batch: does throughput scale with work per launch?
+  step train_mbs4 python3 -m bench.train_throughput --models 0.5b --prompt-len 512 --response-len 1536 --rows 16 \
+    --group-size 8 --micro-batch-size 4 --warmup 1 --iters 2 --hf-attn sdpa --profile --out "$OUT/train_mbs4.json"
+  step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob.json"
+  step weight_sync python3 -m bench.weight_sync_bench --models 0.5b,1.5b --bucket-mb 64,512,2048 --iters 5 \
+    --out "$OUT/weight_sync.json"
+  step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
+    trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
+fi
+cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

@@ -1,0 +1,74 @@
+"""Qwen2-shaped benchmark models (HF config dicts) and the FLOP count used for MFU.
+
+``qwen2_config(name)`` gives the HF config dict of a Qwen2.5-shaped model ("0.5b", "1.5b", or "tiny"
+for CPU dry runs) with random weights implied: nothing is downloaded. ``matmul_params`` counts the
+parameters that take part in a matrix product per token (every linear layer plus the output projection,
+which is a matmul even when tied to the embedding; the embedding lookup is not). ``train_flops_per_token``
+is the FLOP formula every benchmark here states:
+
+    forward  = 2 * matmul_params + 2 * layers * seq * heads * head_dim       (causal attention: QK^T and PV,
+                                                                               each 2*s*d, halved by the mask)
+    training = 3 * forward                                                    (backward = 2 x forward)
+
+Left out: norms, RoPE, softmax and the loss (element-wise, a fraction of a percent at these sizes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_QWEN2_COMMON = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
+                     max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     hidden_act="silu", use_sliding_window=False, tie_word_embeddings=True,
+                     torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645, initializer_range=0.02)
+
+# Published Qwen2.5 shapes (hidden, ffn, layers, heads, kv heads); weights are random here.
+_SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, bos_token_id=1,
+                 eos_token_id=2),
+}
+
+
+def qwen2_config(name: str, **overrides: Any) -> dict[str, Any]:
+    if name not in _SHAPES:
+        raise ValueError(f"unknown benchmark model {name!r}; choose from {sorted(_SHAPES)}")
+    return {**_QWEN2_COMMON, **_SHAPES[name], **overrides}
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
+    hidden, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    return hidden, ffn, layers, heads, kv_heads, head_dim, cfg["vocab_size"]
+
+
+def matmul_params(cfg: dict[str, Any]) -> int:
+    hidden, ffn, layers, heads, kv_heads, head_dim, vocab = _dims(cfg)
+    attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+    mlp = 3 * hidden * ffn
+    return layers * (attn + mlp) + vocab * hidden
+
+
+def total_params(cfg: dict[str, Any]) -> int:
+    """All parameters as the model stores them (tied embedding counted once; biases and norms included)."""
+    hidden, ffn, layers, heads, kv_heads, head_dim, vocab = _dims(cfg)
+    qkv_bias = heads * head_dim + 2 * kv_heads * head_dim  # Qwen2 has q/k/v biases
+    per_layer = (hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+                 + qkv_bias + 3 * hidden * ffn + 2 * hidden)
+    embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings + hidden
+
+
+def train_flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
+    hidden, ffn, layers, heads, kv_heads, head_dim, vocab = _dims(cfg)
+    forward = 2 * matmul_params(cfg) + 2 * layers * seq_len * heads * head_dim
+    return 3.0 * forward
+
+
+def forward_flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
+    return train_flops_per_token(cfg, seq_len) / 3.0
