@@ -60,6 +60,9 @@ class TrainingSpec:
     global_batch_size: int  # sequences per optimizer step (PPO/GRPO mini-batch)
     micro_batch_size: int = 1
     max_seq_len: int = 4096  # prompt + response tokens of one sequence
+    # Response tokens per sequence: the log-prob path keeps fp32 [tokens, vocab] buffers for these only.
+    # None: every position (an upper bound).
+    max_response_len: int | None = None
     use_reference: bool = True
     use_critic: bool = False
     param_bytes: int = 2  # training weights: 2 bf16, 4 fp32
@@ -126,6 +129,13 @@ def _check_positive(layout: LayoutSpec, training: TrainingSpec) -> list[str]:
         value = getattr(training, name)
         if not isinstance(value, int) or value < 1:
             errors.append(f"training.{name} must be a positive integer, got {value!r}")
+    if training.max_response_len is not None and not 0 < training.max_response_len < training.max_seq_len:
+        errors.append(
+            f"training.max_response_len={training.max_response_len} must be in [1, max_seq_len="
+            f"{training.max_seq_len}) (a sequence is prompt + response)"
+        )
+    if training.param_bytes not in (2, 4):
+        errors.append(f"training.param_bytes must be 2 (bf16) or 4 (fp32), got {training.param_bytes!r}")
     if layout.etp is not None and layout.etp < 1:
         errors.append(f"layout.etp must be a positive integer, got {layout.etp!r}")
     if layout.vpp is not None and layout.vpp < 1:

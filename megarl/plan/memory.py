@@ -2,29 +2,41 @@
 
 Everything is bytes on the worst GPU of each pipeline stage; the plan takes the max over stages and phases.
 
-Training state (Megatron, bf16 with fp32 main grads, Adam):
-  params 2 B/param; main grads 4 B/param (Megatron's full-size fp32 grad buffer, not sharded even with the
-  distributed optimizer); optimizer 12 B/param (fp32 master + Adam m + v), divided by the data-parallel size
-  (dense weights: dp*cp, routed experts: expert_dp) when the distributed optimizer is on, 0 when offloaded to CPU.
-  Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts / (ep*etp); the embedding on
-  the first stage and the output head on the last (a tied embedding gets a copy there when pp > 1), vocab padded
-  to a multiple of 128*tp as Megatron does.
+Training state (Megatron DDP with fp32 grad buffers, Adam):
+  params p B/param (2 bf16, 4 fp32); main grads 4 B/param (Megatron's full-size fp32 grad buffer, not sharded
+  even with the distributed optimizer); optimizer fp32 Adam m + v (8 B/param) plus, for bf16 params, the fp32
+  master copy Megatron's Float16OptimizerWithFloat16Params keeps (12 B/param in all), divided by the
+  data-parallel size (dense weights: dp*cp, routed experts: expert_dp) when the distributed optimizer is on,
+  0 when offloaded to CPU. Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
+  (ep*etp); the embedding on the first stage and the output head on the last (a tied embedding gets a copy
+  there when pp > 1), vocab padded to a multiple of 128*tp as Megatron does.
 
-Activations (bf16, flash attention assumed so no s^2 score matrix), per layer and micro-batch of T = b*s/cp
-tokens, nd = tp with sequence parallel else 1, a/t query heads and max(g/t, 1) kv heads of width D per rank:
-  GQA attention  2T*(2h/nd + 2*q + 2*kv) + 4T*a/t          (norm input, qkv input, Q K V, core-attn output; lse fp32)
-                 + 2T*(q + kv) with Qwen3 q/k norms
-  MLA attention  2T*(2h/nd + 2*q_lora + 2*(kv_lora + rope)) + 2T*(a/t)*(2*(nope+rope) + 2*v) + 4T*a/t
-  dense SwiGLU   2T*(2h/nd + 3f/t)                             (norm input, fc1 input, fc1 output 2f, act output f)
-  MoE            2T*2h/nd + 4T*E/nd + 2(T/nd)*k*(etp*h + 3f_e) + 2T*3f_s/t   (router logits fp32, routed tokens
-                 through top-k experts, shared experts)
-  selective recompute (Megatron core_attn + moe_act + mla_up_proj): drops the routed act output (f_e) and MLA's
-  decompressed Q K V; with flash attention core_attn adds nothing for GQA. Full recompute keeps 2T*h/nd per layer
-  plus one layer's full activations as the recompute working set.
+Activations, per layer and micro-batch of T = b*s/cp tokens, a = p bytes per activation entry (activations
+are in the params dtype), nd = tp with sequence parallel else 1, a/t query heads and max(g/t, 1) kv heads of
+width D per rank (q = width of the local query heads, kv of the local kv heads):
+  GQA attention, flash  a*T*(2h/nd + 2q + 2kv) + 4T*a/t   (norm input, qkv input, Q K V, core-attn output; lse fp32)
+                 + a*T*(q + kv) with Qwen3 q/k norms
+  GQA attention, materialized (megatron's local DotProductAttention: baddbmm scores, masked softmax, bmm):
+                 a*T*(2h/nd + 4q) + b*(a/t)*s^2*(4 + a)     (K and V repeated to every query head; the fp32
+                 softmax output and its cast back to a bytes are both kept; in fp32 they are one tensor: 4 B)
+                 plus one persistent [b*a/t, s, s] score buffer (megatron's global memory buffer)
+  MLA attention  a*T*(2h/nd + 2*q_lora + 2*(kv_lora + rope)) + a*T*(a/t)*(2*(nope+rope) + v) + ... + 4T*a/t
+  dense SwiGLU   a*T*(2h/nd + 3f/t)            fused (norm input, fc1 input, fc1 output 2f, act output f)
+                 a*T*(2h/nd + 5f/t)            unfused torch ops keep silu(x1) and x2 + glu_linear_offset too
+  RMSNorm        fused keeps its input; torch's composite (the CPU path) also keeps the normalised copy in
+                 fp32 and, for 16-bit inputs, an fp32 upcast instead of the input: + T*h*(4 + (4 - a)) each
+  MoE            a*T*2h/nd + 4T*E/nd + a*(T/nd)*k*(etp*h + 3f_e) + a*T*3f_s/t   (router logits fp32, routed
+                 tokens through top-k experts, shared experts)
+  selective recompute (Megatron core_attn + moe_act + mla_up_proj): drops the routed act output (f_e), MLA's
+  decompressed Q K V and the materialized scores; with flash attention core_attn adds nothing for GQA. Full
+  recompute keeps a*T*h/nd per layer plus one layer's full activations as the recompute working set.
   In flight on stage r (Megatron 1F1B): min(pp - r, M) micro-batches; interleaved with vpp=v:
-  min(2(pp - r - 1) + (v - 1)pp + 1, M*v) chunks of 1/v of the stage. Last stage adds the logits of one
-  micro-batch, 6 B per (token, vocab/tp) entry (bf16 logits + fp32 softmax kept for the backward).
-Log-prob (no grad) passes hold one layer's activations plus fp32 logits of one micro-batch.
+  min(2(pp - r - 1) + (v - 1)pp + 1, M*v) chunks of 1/v of the stage.
+Logits (last stage, one micro-batch of b rows, N = b * response tokens, V' = padded vocab / tp): the model's
+  logits a*b*s*V', for b > 1 a contiguous copy of the response slice a*N*V', and the three fp32 [N, V'] buffers
+  megarl's vocab-parallel log-prob function holds at its forward peak (shifted logits, exp, exp * logits):
+  12*N*V'. The same holds with or without grad, so log-prob (no grad) passes count one layer's activations plus
+  this. An engine that builds explicit [b, 1, s, s] boolean masks keeps M of them on the GPU.
 
 Rollout engine (vLLM-style): weights (params / rollout_tp at rollout_weight_bytes) + KV cache; GQA KV per token
 = 2 * layers * kv_heads_per_rank * head_dim * bytes, MLA per token = layers * (kv_lora_rank + rope_dim) * bytes
@@ -32,14 +44,19 @@ Rollout engine (vLLM-style): weights (params / rollout_tp at rollout_weight_byte
 Colocated: with offload_train_state the actor/ref/critic states leave the GPU outside their own phase (verl's
 param/grad/optimizer offload, slime's colocate); with rollout_sleeps the engine frees weights and KV cache while
 training (vLLM sleep mode). Whatever is not offloaded is counted in every phase.
-A fixed framework_overhead_gib (CUDA context, NCCL buffers, allocator fragmentation) is added to every phase.
-Leaves out: CPU memory, dynamic batching, activation offload, FP8 training, pipeline bubbles in time.
+A fixed framework_overhead_gib (CUDA context, NCCL buffers, allocator cache and fragmentation: what
+``nvidia-smi`` sees beyond ``torch.cuda.max_memory_allocated``) is added to every phase; use 0 to compare with
+the allocator's own peak. ``KernelSpec`` says which kernels run (flash vs materialized attention, fused vs
+torch-composite SwiGLU/RMSNorm); ``KernelSpec.megatron_local`` is megarl's local-spec engine as it runs today.
+Leaves out: CPU memory, dynamic batching, activation offload, FP8 training, pipeline bubbles in time, the
+optimizer step's own transients (torch's foreach Adam allocates one fp32 copy of the parameters, below the
+activation peak whenever activations exceed 4 B/param).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from megarl.plan.layout import LayoutSpec, TrainingSpec, check_layout, split_pipeline_layers
 from megarl.plan.model_dims import ModelDims, read_model_dims
@@ -47,7 +64,40 @@ from megarl.plan.param_count import LayerParams, ParamCount, count_parameters
 
 GIB = 1024**3
 GRAD_BYTES = 4
-OPTIMIZER_BYTES = 12
+ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
+MASTER_PARAM_BYTES = 4  # fp32 copy of 16-bit params (Float16OptimizerWithFloat16Params / distributed optimizer)
+LOGPROB_FP32_BUFFERS = 3  # megarl.engines.megatron.logprob forward peak: shifted logits, exp, exp * logits
+
+
+def optimizer_bytes_per_param(param_bytes: int) -> int:
+    """Adam states, plus the fp32 master copy when the model's params are 16-bit."""
+    return ADAM_STATE_BYTES + (MASTER_PARAM_BYTES if param_bytes < 4 else 0)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Which kernels the training step runs: they decide what autograd keeps for the backward.
+
+    The default is a Transformer-Engine-style step (flash attention, fused SwiGLU and RMSNorm, causal mask
+    generated in the kernel). ``megatron_local`` is megatron-core's local layer spec without TE or apex.
+    """
+
+    attention: Literal["flash", "materialized"] = "flash"
+    fused_swiglu: bool = True
+    rmsnorm: Literal["fused", "composite"] = "fused"
+    explicit_attention_mask: bool = False  # the engine ships [b, 1, s, s] bool masks to the GPU
+
+    @classmethod
+    def megatron_local(cls, *, rmsnorm: Literal["fused", "composite"] = "composite") -> "KernelSpec":
+        """megarl's engine on the local spec: materialized DotProductAttention, unfused SwiGLU (the bridge
+        turns the fusions off), torch RMSNorm (composite on CPU), explicit masks from split_micro_batches."""
+        return cls(attention="materialized", fused_swiglu=False, rmsnorm=rmsnorm, explicit_attention_mask=True)
+
+    def __post_init__(self):
+        if self.attention not in ("flash", "materialized"):
+            raise ValueError(f"KernelSpec.attention must be 'flash' or 'materialized', got {self.attention!r}")
+        if self.rmsnorm not in ("fused", "composite"):
+            raise ValueError(f"KernelSpec.rmsnorm must be 'fused' or 'composite', got {self.rmsnorm!r}")
 
 
 @dataclass
@@ -126,45 +176,107 @@ def _layer_gpu_params(layer: LayerParams, layout: LayoutSpec) -> tuple[float, fl
     return dense, expert
 
 
-def _attention_activation_bytes(dims: ModelDims, layout: LayoutSpec, tokens: int, recompute: str) -> float:
+def _attention_activation_bytes(
+    dims: ModelDims, layout: LayoutSpec, tokens: int, recompute: str, seq_len: int, a: int, kernels: KernelSpec
+) -> float:
     t, h = layout.tp, dims.hidden_size
     nd = t if layout.sequence_parallel and t > 1 else 1
     heads = dims.num_heads / t
     lse = 4 * tokens * heads
     if dims.mla is not None:
         m = dims.mla
-        latents = 2 * tokens * (2 * h / nd + 2 * (m.q_lora_rank or 0) + 2 * (m.kv_lora_rank + m.qk_rope_head_dim))
-        qkv = 2 * tokens * heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + m.v_head_dim)
-        core_out = 2 * tokens * heads * m.v_head_dim
+        latents = a * tokens * (2 * h / nd + 2 * (m.q_lora_rank or 0) + 2 * (m.kv_lora_rank + m.qk_rope_head_dim))
+        qkv = a * tokens * heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + m.v_head_dim)
+        core_out = a * tokens * heads * m.v_head_dim
         # mla_up_proj recompute rebuilds Q, K, V from the latents in the backward.
         return latents + core_out + lse + (0 if recompute == "selective" else qkv)
     q = heads * dims.head_dim
     kv = max(dims.num_kv_heads // t, 1) * dims.head_dim
-    total = 2 * tokens * (2 * h / nd + 2 * q + 2 * kv) + lse
+    norms = a * tokens * (h / nd) * (1 + _norm_extra_entries(a, kernels))
+    if kernels.attention == "flash":
+        total = norms + a * tokens * (h / nd + 2 * q + 2 * kv) + lse
+    else:
+        # baddbmm keeps Q and K, bmm keeps the probabilities and V, out-projection keeps the context. With
+        # GQA, K and V are repeat_interleave'd to every query head first (q wide each) and the fused qkv
+        # output is freed; without GQA, V is a view that keeps the whole qkv output alive.
+        qkv_kept = 3 * q if dims.num_heads > dims.num_kv_heads else 2 * q + 3 * kv
+        total = norms + a * tokens * (h / nd + qkv_kept + q)
+        if recompute != "selective":  # core_attn recompute rebuilds the scores in the backward
+            total += tokens * seq_len * heads * _score_bytes_per_entry(a)
     if dims.qk_norm:
-        total += 2 * tokens * (q + kv)
+        total += a * tokens * (q + kv)
     return total
 
 
-def _mlp_activation_bytes(dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str) -> float:
+def _score_bytes_per_entry(a: int) -> int:
+    """Materialized attention keeps the fp32 softmax output and, for 16-bit models, its cast back."""
+    return 4 + (a if a < 4 else 0)
+
+
+def _norm_extra_entries(a: int, kernels: KernelSpec) -> float:
+    """Extra [T, h] entries (in units of ``a`` bytes) torch's composite RMSNorm keeps beyond its input."""
+    if kernels.rmsnorm == "fused":
+        return 0.0
+    return (4 + (4 - a)) / a
+
+
+def _mlp_activation_bytes(
+    dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str, a: int, kernels: KernelSpec
+) -> float:
     t, h = layout.tp, dims.hidden_size
     nd = t if layout.sequence_parallel and t > 1 else 1
+    norm = a * tokens * (h / nd) * (1 + _norm_extra_entries(a, kernels))
     if not is_moe:
-        return 2 * tokens * (2 * h / nd + 3 * dims.intermediate_size / t)
+        width = 3 if kernels.fused_swiglu else 5
+        return norm + a * tokens * (h / nd + width * dims.intermediate_size / t)
     moe = dims.moe
     assert moe is not None
     routed_width = 2 if recompute == "selective" else 3  # moe_act recompute drops the activation output
-    routed = 2 * (tokens / nd) * moe.experts_per_token * (layout.expert_tp * h + routed_width * moe.expert_intermediate_size)
-    shared = 2 * tokens * 3 * moe.shared_expert_intermediate_size / t
+    routed = a * (tokens / nd) * moe.experts_per_token * (layout.expert_tp * h + routed_width * moe.expert_intermediate_size)
+    shared = a * tokens * 3 * moe.shared_expert_intermediate_size / t
     router = 4 * tokens * moe.num_experts / nd
-    return 2 * tokens * 2 * h / nd + router + routed + shared
+    return norm + a * tokens * h / nd + router + routed + shared
 
 
-def layer_activation_bytes(dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str) -> float:
-    """Activation bytes one decoder layer keeps for the backward, for ``tokens`` tokens on this GPU."""
-    return _attention_activation_bytes(dims, layout, tokens, recompute) + _mlp_activation_bytes(
-        dims, layout, tokens, is_moe, recompute
+def layer_activation_bytes(
+    dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str, *,
+    seq_len: int | None = None, activation_bytes: int = 2, kernels: KernelSpec = KernelSpec(),
+) -> float:
+    """Activation bytes one decoder layer keeps for the backward, for ``tokens`` tokens on this GPU.
+
+    ``seq_len`` (the keys each query attends to) is needed for materialized attention only.
+    """
+    if kernels.attention == "materialized" and seq_len is None:
+        raise ValueError("layer_activation_bytes: materialized attention needs seq_len")
+    a = activation_bytes
+    return _attention_activation_bytes(dims, layout, tokens, recompute, seq_len or 0, a, kernels) + (
+        _mlp_activation_bytes(dims, layout, tokens, is_moe, recompute, a, kernels)
     )
+
+
+def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) -> float:
+    """Peak bytes of one micro-batch's logits through megarl's vocab-parallel log-prob function."""
+    vocab = pad_vocab(dims.vocab_size, layout.tp) / layout.tp
+    rows = training.micro_batch_size
+    positions = rows * training.max_seq_len // layout.cp
+    response = rows * (training.max_response_len or training.max_seq_len)
+    a = training.param_bytes
+    model_logits = a * positions * vocab
+    # A [b, R] slice of [b, s, V] logits is contiguous only for b == 1; otherwise reshape copies it.
+    slice_copy = a * response * vocab if rows > 1 else 0
+    return model_logits + slice_copy + 4 * LOGPROB_FP32_BUFFERS * response * vocab
+
+
+def attention_side_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, kernels: KernelSpec,
+                         num_micro_batches: int) -> dict[str, float]:
+    """Memory materialized attention needs outside the layers: the persistent score buffer and the masks."""
+    out: dict[str, float] = {}
+    b, s = training.micro_batch_size, training.max_seq_len
+    if kernels.attention == "materialized":
+        out["attention score buffer (megatron global)"] = training.param_bytes * b * dims.num_heads / layout.tp * s * s
+    if kernels.explicit_attention_mask:
+        out["attention masks on device (bool)"] = num_micro_batches * b * s * s
+    return out
 
 
 def rollout_kv_bytes_per_token(dims: ModelDims, rollout_tp: int, kv_bytes: int) -> int:
@@ -184,15 +296,18 @@ def _in_flight_units(layout: LayoutSpec, stage: int, num_micro_batches: int) -> 
 
 
 def _stage_activation_bytes(
-    dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, layer_kinds: list[bool], stage: int, num_micro: int
+    dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, layer_kinds: list[bool], stage: int, num_micro: int,
+    kernels: KernelSpec,
 ) -> float:
     tokens = training.micro_batch_size * training.max_seq_len // layout.cp
     nd = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-    per_layer = [layer_activation_bytes(dims, layout, tokens, k, layout.recompute) for k in layer_kinds]
+    a = training.param_bytes
+    shape = dict(seq_len=training.max_seq_len, activation_bytes=a, kernels=kernels)
+    per_layer = [layer_activation_bytes(dims, layout, tokens, k, layout.recompute, **shape) for k in layer_kinds]
     units = _in_flight_units(layout, stage, num_micro)
     if layout.recompute == "full":
-        stored = units * len(layer_kinds) * 2 * tokens * dims.hidden_size / nd
-        full_layers = [layer_activation_bytes(dims, layout, tokens, k, "none") for k in layer_kinds]
+        stored = units * len(layer_kinds) * a * tokens * dims.hidden_size / nd
+        full_layers = [layer_activation_bytes(dims, layout, tokens, k, "none", **shape) for k in layer_kinds]
         return stored + (max(full_layers) if full_layers else 0)
     return units * sum(per_layer)
 
@@ -204,6 +319,7 @@ def plan_layout(
     gpu_memory_gib: float = 80.0,
     *,
     framework_overhead_gib: float = 3.0,
+    kernels: KernelSpec = KernelSpec(),
 ) -> PlanReport:
     """Check ``layout`` against the model in ``hf_config`` and estimate per-GPU memory of every RL phase."""
     dims = read_model_dims(hf_config)
@@ -223,8 +339,10 @@ def plan_layout(
     report.num_micro_batches = num_micro
     vocab_shard = pad_vocab(dims.vocab_size, layout.tp) * dims.hidden_size / layout.tp
     tokens = training.micro_batch_size * training.max_seq_len // layout.cp
-    logits_train = 6 * tokens * pad_vocab(dims.vocab_size, layout.tp) / layout.tp
-    logits_forward = 4 * tokens * pad_vocab(dims.vocab_size, layout.tp) / layout.tp
+    # The log-prob function holds the same buffers with and without grad (forward-only passes included).
+    logits_train = logits_forward = logits_bytes(dims, layout, training)
+    side = attention_side_bytes(dims, layout, training, kernels, num_micro)
+    layer_shape = dict(seq_len=training.max_seq_len, activation_bytes=training.param_bytes, kernels=kernels)
     dense_shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
     expert_shards = layout.expert_dp if layout.distributed_optimizer else 1
 
@@ -271,24 +389,27 @@ def plan_layout(
             dense += params.final_norm
             if not dims.tie_word_embeddings or layout.pp > 1:
                 dense += vocab_shard  # untied head, or the tied embedding's copy on the last stage
-        activations = _stage_activation_bytes(dims, layout, training, layer_kinds, stage, num_micro)
+        activations = _stage_activation_bytes(dims, layout, training, layer_kinds, stage, num_micro, kernels)
         if is_last:
             activations += logits_train
         if is_last and layout.train_mtp and params.mtp_layer is not None:
             d, e = _layer_gpu_params(params.mtp_layer, layout)
             dense, expert = dense + dims.mtp_layers * d, expert + dims.mtp_layers * e
             activations += dims.mtp_layers * (
-                layer_activation_bytes(dims, layout, tokens, params.mtp_layer.is_moe, layout.recompute) + logits_train
+                layer_activation_bytes(dims, layout, tokens, params.mtp_layer.is_moe, layout.recompute, **layer_shape)
+                + logits_train
             )
         stage_params = dense + expert
+        pb = training.param_bytes
         optimizer = 0.0
         if not layout.optimizer_cpu_offload:
-            optimizer = OPTIMIZER_BYTES * (dense / dense_shards + expert / expert_shards)
-        pb = training.param_bytes
+            optimizer = optimizer_bytes_per_param(pb) * (dense / dense_shards + expert / expert_shards)
+        dtype = "bf16" if pb == 2 else "fp32"
+        optimizer_name = "optimizer (fp32 master+m+v)" if pb < 4 else "optimizer (fp32 Adam m+v)"
         actor = {
-            f"actor params ({'bf16' if pb == 2 else f'{pb} B'})": pb * stage_params,
+            f"actor params ({dtype})": pb * stage_params,
             "actor main grads (fp32)": GRAD_BYTES * stage_params,
-            "actor optimizer (fp32 master+m+v)": optimizer,
+            f"actor {optimizer_name}": optimizer,
         }
         actor_params_only = dict(list(actor.items())[:1])
         ref = {"reference params": pb * stage_params} if training.use_reference else {}
@@ -299,11 +420,11 @@ def plan_layout(
             critic_params = stage_params - (vocab_shard if has_head else 0) + (dims.hidden_size if is_last else 0)
             critic_optimizer = optimizer * critic_params / stage_params
             critic = {
-                f"critic params ({'bf16' if pb == 2 else f'{pb} B'})": pb * critic_params,
+                f"critic params ({dtype})": pb * critic_params,
                 "critic main grads (fp32)": GRAD_BYTES * critic_params,
-                "critic optimizer (fp32 master+m+v)": critic_optimizer,
+                f"critic {optimizer_name}": critic_optimizer,
             }
-        forward_act = max(layer_activation_bytes(dims, layout, tokens, k, "none") for k in layer_kinds)
+        forward_act = max(layer_activation_bytes(dims, layout, tokens, k, "none", **layer_shape) for k in layer_kinds)
         forward_act += logits_forward if is_last else 0
         colocated = layout.placement == "colocated"
         kept_train = {} if training.offload_train_state else {**actor, **ref, **critic}
@@ -314,15 +435,20 @@ def plan_layout(
             phases.append(PhaseMemory("rollout", stage, {**rollout_engine, **kept_train, "framework overhead": overhead}))
         logprob = {**kept_rollout, **kept_train, **actor_params_only, **ref}
         logprob["forward activations (no grad)"] = forward_act
+        logprob.update(side)
         logprob["framework overhead"] = overhead
         phases.append(PhaseMemory("log-prob (old + ref)", stage, logprob))
         train = {**kept_rollout, **kept_train, **actor}
-        train["actor activations"] = activations
+        train["actor activations"] = activations - (logits_train if is_last else 0)
+        if is_last:
+            train["actor logits + log-prob buffers"] = logits_train
+        train.update(side)
         train["framework overhead"] = overhead
         phases.append(PhaseMemory("actor train", stage, train))
         if training.use_critic:
             critic_train = {**kept_rollout, **kept_train, **critic}
             critic_train["critic activations"] = activations - (logits_train if is_last else 0)
+            critic_train.update(side)
             critic_train["framework overhead"] = overhead
             phases.append(PhaseMemory("critic train", stage, critic_train))
         per_stage_phases.append(phases)

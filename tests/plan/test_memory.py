@@ -58,10 +58,12 @@ def test_pipeline_first_stage_holds_pp_micro_batches():
     assert phase(report, "actor train").components["actor activations"] == pytest.approx(11 / 2 * 8 * per_layer)
     full = plan_layout(config, LayoutSpec(world_size=4, pp=4, recompute="full"), train, 80)
     # Recompute shrinks stage 0 so the last stage (1 micro-batch in flight, plus logits) becomes the worst:
-    # layer inputs of 8 layers + one layer's working set + 6 B per logit.
-    stored = 8 * 2 * 2048 * 4096 + per_layer + 6 * 2048 * 128256
+    # layer inputs of 8 layers + one layer's working set; the logits apart: bf16 model logits (2 B) and the
+    # log-prob function's three fp32 buffers (12 B) per (token, vocab) entry of one micro-batch.
+    stored = 8 * 2 * 2048 * 4096 + per_layer
     assert phase(full, "actor train").stage == 3
     assert phase(full, "actor train").components["actor activations"] == pytest.approx(stored)
+    assert phase(full, "actor train").components["actor logits + log-prob buffers"] == 14 * 2048 * 128256
 
 
 def test_kv_cache_bytes_per_token():
@@ -115,7 +117,7 @@ def test_colocation_without_offload_counts_training_state_during_rollout():
     offloaded = plan_layout(config, layout, TrainingSpec(global_batch_size=64), 141)
     resident = plan_layout(config, layout, TrainingSpec(global_batch_size=64, offload_train_state=False), 141)
     state = sum(v for k, v in phase(resident, "actor train").components.items() if k.startswith("actor ")
-                and "activations" not in k) + phase(resident, "actor train").components["reference params"]
+                and "activations" not in k and "logits" not in k) + phase(resident, "actor train").components["reference params"]
     assert phase(resident, "rollout").total - phase(offloaded, "rollout").total == pytest.approx(state)
     separate = plan_layout(config, LayoutSpec(world_size=8, tp=2, rollout_tp=2, placement="separate", rollout_gpus=4),
                            TrainingSpec(global_batch_size=64), 80)

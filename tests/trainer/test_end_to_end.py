@@ -50,13 +50,19 @@ def test_grpo_reward_rises_and_logs_everywhere(tmp_path):
     assert (tmp_path / "config.yaml").is_file()
 
 
-@pytest.mark.timeout(600)
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    straight = _run(_config(tmp_path / "straight", "trainer.total_training_steps=4"))
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", [
+    (),
+    # Two data-parallel ranks with megatron's distributed optimizer (sharded Adam state in the checkpoint).
+    ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"),
+], ids=["dp1", "dp2_distributed_optimizer"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, layout):
+    straight = _run(_config(tmp_path / "straight", "trainer.total_training_steps=4", *layout))
     interrupted = tmp_path / "interrupted"
-    _run(_config(interrupted, "trainer.total_training_steps=2", "trainer.save_freq=2"))
+    _run(_config(interrupted, "trainer.total_training_steps=2", "trainer.save_freq=2", *layout))
     assert (interrupted / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
-    resumed = _run(_config(interrupted, "trainer.total_training_steps=4", "trainer.save_freq=2"))
+    resumed = _run(_config(interrupted, "trainer.total_training_steps=4", "trainer.save_freq=2", *layout))
     assert [h["step"] for h in resumed] == [3, 4]
     for expected, got in zip(straight[2:], resumed):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "response_length/mean"):

@@ -55,6 +55,32 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _ensure_optimizer_state(optimizer) -> None:
+    """A distributed optimizer that has not stepped yet has no Adam state to describe for loading; give it
+    placeholder state (megatron's own helper) that the load then overwrites in place."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init_dummy = getattr(inner, "_init_optimizer_states_with_dummy_values", None)
+        if init_dummy is not None and not inner.optimizer.state:
+            init_dummy()
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """torch Adam keeps its step count per parameter; megatron's distributed optimizer saves it once per
+    param group and, when the state already existed (our placeholder state), leaves the per-parameter
+    counts at the placeholder's 1. Copy the group's count back, or bias correction would restart."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for group in torch_optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param)
+                if state and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
 def _sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -69,7 +95,12 @@ def _sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool, with_
             state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
             model_state.update(state[f"model{i}"])
     if with_optimizer and engine.optimizer is not None:
-        metadata = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+        # torch_dist cannot save the flattened ranges of 'fully_sharded_model_space' (the distributed
+        # optimizer's default); 'fully_reshardable' stores the canonical per-parameter state instead,
+        # so the checkpoint still loads at another TP/PP/DP layout.
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        if is_loading:
+            _ensure_optimizer_state(engine.optimizer)
         state["optimizer"] = engine.optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                                  metadata=metadata)
         state["lr_scheduler"] = engine.lr_scheduler.state_dict()
@@ -155,7 +186,9 @@ def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optim
             key = "model" if len(engine.model) == 1 else f"model{i}"
             _unwrap(chunk).load_state_dict(loaded[key], strict=True)
         if with_optimizer:
-            engine.optimizer.load_state_dict(loaded["optimizer"])
+            with torch.no_grad():  # the distributed optimizer copies into fp32 main params that are leaves
+                engine.optimizer.load_state_dict(loaded["optimizer"])
+            _restore_adam_steps(engine.optimizer)
             engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
         if load_rng and same_layout:
             _set_rng_state(loaded["rng_state"][0])

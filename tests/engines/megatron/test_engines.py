@@ -219,3 +219,37 @@ def test_dp2_equals_dp1_on_the_same_global_batch(world_a):
         # of 2 rows, step by step (metrics are DP-reduced, so every rank reports the global values).
         _assert_history_close(r["history"], a["history"])
         torch.testing.assert_close(r["final_log_probs"], a["final_log_probs"][r["rows"]], rtol=1e-4, atol=1e-4)
+
+
+def _world_dp2_distributed_optimizer_resume(rank, root):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megarl.engines.megatron.actor import ActorEngine
+    from megarl.engines.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from tests.engines.megatron.tiny_setup import gpt_provider, tiny_config
+
+    _setup()
+
+    def build():
+        config = tiny_config()
+        return ActorEngine(
+            model_provider=gpt_provider(config), config=config,
+            optimizer_config=OptimizerConfig(lr=2e-3, clip_grad=1.0, use_distributed_optimizer=True),
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+            micro_batch_size=2)
+
+    batch = _batch()
+    actor = build()
+    _train(actor, batch, steps=2)
+    save_checkpoint(actor, os.path.join(root, "distopt"), step=2)
+    continued = [actor.update_policy(batch, **UPDATE) for _ in range(2)]
+    fresh = build()
+    load_checkpoint(fresh, os.path.join(root, "distopt"))
+    resumed = [fresh.update_policy(batch, **UPDATE) for _ in range(2)]
+    return continued, resumed
+
+
+def test_distributed_optimizer_checkpoint_resume_is_exact(tmp_path):
+    for continued, resumed in run_distributed(_world_dp2_distributed_optimizer_resume, 2, str(tmp_path)):
+        _assert_history_close(resumed, continued)
