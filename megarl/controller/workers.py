@@ -166,6 +166,9 @@ class ActorRolloutRefWorker(_MegatronRole):
         self.bucket_bytes = arr.rollout.weight_sync_bucket_mb * 2**20
         self.rollout_peers: list = []  # separate placement: the rollout workers' actor handles
         self.rollout = None
+        self._actor_offloaded = None  # OffloadState while generation owns the device
+        self._reference_offloaded = None
+        self._rollout_asleep = False
         if not separate_rollout:
             self.rollout = build_rollout_engine_for(cfg, self.model_path, seed_offset=self.rank_info.rank)
             self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
@@ -175,7 +178,39 @@ class ActorRolloutRefWorker(_MegatronRole):
     def generate(self, prompt_token_ids: list[list[int]], sampling):
         if self.rollout is None:
             raise RuntimeError("trainer.placement=separate: generation runs on the RolloutWorker group")
+        self._enter_rollout_mode()
         return generate_on_rank(self.rollout, prompt_token_ids, sampling, rank=self.rank_info.rank)
+
+    # ---------------------------------------------------------------- sharing the device (hybrid engine)
+    def _enter_rollout_mode(self) -> None:
+        """Generation next: move what the config offloads off the device and wake the rollout engine."""
+        from megarl.engines.megatron.offload import offload_engine
+
+        m = self.megatron
+        if self._actor_offloaded is None and (m.param_offload or m.grad_offload or m.optimizer_offload):
+            self._actor_offloaded = offload_engine(self.actor, params=m.param_offload, grads=m.grad_offload,
+                                                   optimizer=m.optimizer_offload)
+        if (self.reference is not None and self._reference_offloaded is None
+                and self.cfg.actor_rollout_ref.ref.param_offload):
+            self._reference_offloaded = offload_engine(self.reference, params=True, grads=False, optimizer=False)
+        if self._rollout_asleep:
+            self.rollout.wake_up()
+            self._rollout_asleep = False
+
+    def _enter_train_mode(self) -> None:
+        """Megatron next: put the rollout engine to sleep (where that frees memory) and reload the engines."""
+        from megarl.engines.megatron.offload import reload_engine
+
+        if (self.rollout is not None and not self._rollout_asleep and self.rollout.supports_sleep
+                and self.cfg.actor_rollout_ref.rollout.free_cache_engine):
+            self.rollout.sleep()
+            self._rollout_asleep = True
+        if self._actor_offloaded is not None:
+            reload_engine(self._actor_offloaded)
+            self._actor_offloaded = None
+        if self._reference_offloaded is not None:
+            reload_engine(self._reference_offloaded)
+            self._reference_offloaded = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def attach_rollout_peers(self, peers: list) -> None:
@@ -184,8 +219,15 @@ class ActorRolloutRefWorker(_MegatronRole):
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def sync_weights(self) -> dict:
+        from megarl.engines.megatron.offload import reload_engine
         from megarl.weight_sync import ColocatedTransport, DiscardTransport, sync_weights
 
+        if self._actor_offloaded is not None:  # the gather reads the actor's parameters
+            reload_engine(self._actor_offloaded)
+            self._actor_offloaded = None
+        if self._rollout_asleep:  # the engine must hold its weights to be written into
+            self.rollout.wake_up()
+            self._rollout_asleep = False
         if self.rollout is not None:
             transport = ColocatedTransport(self.rollout)
         elif self.rollout_peers and self.rank_info.rank == 0:
@@ -197,11 +239,14 @@ class ActorRolloutRefWorker(_MegatronRole):
             self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes, dtype=self.rollout_dtype,
             num_local_experts=num_experts // self.layout.expert_parallel if num_experts else None,
         )
+        if self.rollout is not None:
+            self._enter_rollout_mode()  # generation comes next
         return stats.as_metrics()
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
+        self._enter_train_mode()
         mbs = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         log_probs, entropy = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
         # The driver's batches live on the CPU (it may have no GPU at all); never hand it device tensors.
@@ -209,6 +254,7 @@ class ActorRolloutRefWorker(_MegatronRole):
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_ref_log_probs(self, batch: TrainBatch):
+        self._enter_train_mode()
         if self.reference is None:
             raise RuntimeError("this actor worker was built without a reference model")
         mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
@@ -217,6 +263,7 @@ class ActorRolloutRefWorker(_MegatronRole):
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_actor(self, batch: TrainBatch) -> dict:
+        self._enter_train_mode()
         a = self.cfg.actor_rollout_ref.actor
         n = self.cfg.actor_rollout_ref.rollout.n
         mini_rows = a.ppo_mini_batch_size * n // self.rank_info.dp_size
@@ -234,12 +281,14 @@ class ActorRolloutRefWorker(_MegatronRole):
     def save_checkpoint(self, root: str) -> str:
         from megarl.engines.megatron.checkpoint import save_checkpoint
 
+        self._enter_train_mode()
         return save_checkpoint(self.actor, root, step=0)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, root: str) -> int:
         from megarl.engines.megatron.checkpoint import load_checkpoint
 
+        self._enter_train_mode()
         return load_checkpoint(self.actor, root)
 
 

@@ -108,3 +108,17 @@ def test_separate_placement_streams_weights_to_rollout_workers(tmp_path):
                            "actor_rollout_ref.rollout.weight_sync_bucket_mb=1"))
     assert [h["step"] for h in history] == [1, 2]
     assert history[-1]["weight_sync/bytes"] > 1e6 and history[-1]["weight_sync/buckets"] > 1
+
+
+@pytest.mark.timeout(400)
+def test_offloading_between_phases_changes_nothing(tmp_path):
+    """Hybrid engine: params, grads and Adam state leave the device while the rollout engine generates and
+    come back for training; the run must be bit-identical to one that keeps everything resident."""
+    common = ("trainer.total_training_steps=2", "trainer.backend=inprocess", "actor_rollout_ref.actor.use_kl_loss=true")
+    offload = ("actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
+               "actor_rollout_ref.actor.megatron.optimizer_offload=true", "actor_rollout_ref.ref.param_offload=true")
+    resident = _run(_config(tmp_path / "resident", *common))
+    offloaded = _run(_config(tmp_path / "offloaded", *common, *offload))
+    for a, b in zip(resident, offloaded):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ref_kl"):
+            assert a[key] == b[key], (a["step"], key)

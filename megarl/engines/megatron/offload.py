@@ -46,7 +46,11 @@ def _optimizer_tensors(optimizer):
 
 def _model_tensors(engine, *, params: bool, grads: bool):
     for chunk in engine.model:
-        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+        # Megatron DDP keeps its param/grad buffers in list attributes; a bare (frozen) GPTModel has none, and
+        # its ``buffers`` is nn.Module's method.
+        ddp_buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                       if isinstance(getattr(chunk, name, None), list) for b in getattr(chunk, name)]
+        for buffer in ddp_buffers:
             if params and buffer.param_data is not None:
                 yield buffer.param_data
             if grads and buffer.grad_data is not None:
