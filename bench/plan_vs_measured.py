@@ -76,14 +76,6 @@ def estimate_gib(run: MeasuredUpdate) -> float:
     return phase.total / GIB
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _run_child(hf_cfg: dict, shape: dict) -> dict:
     """In the child process: the measurement the module docstring describes; returns bytes."""
     import gc
@@ -93,6 +85,7 @@ def _run_child(hf_cfg: dict, shape: dict) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from bench.measure import bring_up_single_rank
+    from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
     from megarl.batch import TrainBatch
     from megarl.engines.megatron.actor import ActorEngine
     from megarl.engines.megatron.cpu_compat import enable_cpu_compat
@@ -138,18 +131,18 @@ def _run_child(hf_cfg: dict, shape: dict) -> dict:
     tiny = qwen2_config("tiny", torch_dtype="float32")
     update(build(tiny), batch_for(tiny, 2, 8, 8))
     gc.collect()
-    baseline = _status_kib("VmRSS") * 1024
+    baseline = current_rss_bytes()
 
     actor = build(hf_cfg)
     batch = batch_for(hf_cfg, shape["rows"], shape["prompt_len"], shape["response_len"])
-    after_build = _status_kib("VmRSS") * 1024
+    after_build = current_rss_bytes()
     update(actor, batch)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")  # reset VmHWM to the current RSS
-    before_step = _status_kib("VmRSS") * 1024
+    before_step = current_rss_bytes()
     metrics = update(actor, batch)
-    peak = _status_kib("VmHWM") * 1024
+    peak = peak_rss_bytes()
     num_params = sum(p.numel() for chunk in actor.model for p in chunk.parameters())
     return {"baseline_rss": baseline, "model_built_over_baseline": after_build - baseline,
             "state_over_baseline": before_step - baseline, "peak_over_baseline": peak - baseline,
