@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from tqdm import tqdm
+
 CONSOLE_KEYS = (
     "critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
     "actor/pg_clipfrac", "response_length/mean", "perf/tokens_per_s", "timing_s/step",
@@ -57,7 +59,9 @@ class MetricsLogger:
         if "console" in self.backends:
             shown = [f"{k.split('/', 1)[-1] if k.startswith('timing') else k}={flat[k]:.4g}"
                      for k in CONSOLE_KEYS if k in flat]
-            print(f"step {step}: " + "  ".join(shown), file=self.stream, flush=True)
+            # tqdm.write keeps the line and a live progress bar from overwriting each other.
+            tqdm.write(f"step {step}: " + "  ".join(shown), file=self.stream)
+            self.stream.flush()
 
     def close(self) -> None:
         if self._tb is not None:
