@@ -9,8 +9,10 @@
   ``OptimizerParamScheduler`` (warmup, constant/linear/cosine decay, min lr) from ``LRScheduleConfig``;
 * :meth:`MegatronEngine.run_micro_batches`: a ``TrainBatch`` shard split into equal micro-batches and
   driven by ``get_forward_backward_func()`` with megatron's ``forward_step_func(data_iterator, model) ->
-  (output, loss_func)`` contract, for any PP/VPP. Only the last pipeline stage computes a loss, from its
-  vocab-sharded logits; what the loss reports is broadcast to every rank of the model-parallel replica.
+  (output, loss_func)`` contract, for any PP/VPP (with VPP the micro-batch count must suit megatron's
+  interleaved grouping, by default a multiple of PP; checked up front). Only the last pipeline stage
+  computes a loss, from its vocab-sharded logits; what the loss reports is broadcast to every rank of the
+  model-parallel replica.
 
 Loss normalisation: every micro-batch loss is its share of the full (mini-)batch loss, i.e. it is divided
 by the token/sequence count of the whole optimizer step over all micro-batches and DP ranks. The schedule
@@ -250,6 +252,8 @@ class MegatronEngine:
 
         num_mb = len(micro_batches)
         dp_size = mpu.get_data_parallel_world_size()
+        if len(self.model) > 1:
+            self._check_interleaved_micro_batches(num_mb, micro_batches[0]["input_ids"].shape[0])
 
         def loss_func(mb, output):
             share, reported = loss(mb, output)
@@ -280,6 +284,23 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return list(reported) if mpu.is_pipeline_last_stage(ignore_virtual=True) else []
+
+    def _check_interleaved_micro_batches(self, num_mb: int, micro_batch_size: int) -> None:
+        """Megatron's interleaved schedule runs micro-batches in groups of
+        ``microbatch_group_size_per_vp_stage`` (default: PP); refuse, naming our knobs, what it would
+        refuse deep inside the schedule (and on every rank at once, so no rank is left in a collective)."""
+        from megatron.core import parallel_state as mpu
+
+        pp = mpu.get_pipeline_model_parallel_world_size()
+        group = self.config.microbatch_group_size_per_vp_stage or pp
+        remainder = num_mb % group
+        if num_mb < group or 0 < remainder < pp:
+            raise ValueError(
+                f"virtual pipeline parallelism runs micro-batches in groups of {group} "
+                f"(microbatch_group_size_per_vp_stage, pipeline_parallel={pp}); this batch gives {num_mb} "
+                f"micro-batch(es) of micro_batch_size={micro_batch_size} rows: use at least {group} "
+                f"micro-batches per step, a multiple of {group} (or leaving a remainder >= {pp})"
+            )
 
     def zero_grad(self) -> None:
         for chunk in self.model:
