@@ -8,6 +8,8 @@ forward+backward:
 * ``fused_logprob``: :func:`megarl.engines.megatron.logprob.compute_vocab_parallel_log_probs`, loss on the
   log-probs only (the entropy output unused, so its backward term is skipped);
 * ``naive_logprob``: ``logits.float().log_softmax(-1).gather(target)``;
+* ``parallel_kernel_logprob[_entropy]``: the TP > 1 autograd function run on one rank (no group), i.e.
+  the algorithm every TP=1 call used before the dedicated TP=1 path existed;
 * ``fused_logprob_entropy`` / ``naive_logprob_entropy``: loss on log-probs plus entropy (naive entropy is
   ``-(softmax * log_softmax).sum(-1)``).
 
@@ -32,6 +34,14 @@ def fused(logits, target, with_entropy: bool):
 
     log_probs, entropy = compute_vocab_parallel_log_probs(logits, target)
     return log_probs, (entropy if with_entropy else None)
+
+
+def parallel_kernel(logits, target, with_entropy: bool):
+    from megarl.engines.megatron.logprob import _VocabParallelLogProbEntropy
+
+    flat = logits.reshape(-1, logits.shape[-1])
+    log_probs, entropy = _VocabParallelLogProbEntropy.apply(flat, target.reshape(-1), 0, 1.0, None)
+    return log_probs.view(target.shape), (entropy.view(target.shape) if with_entropy else None)
 
 
 def naive(logits, target, with_entropy: bool):
@@ -75,7 +85,7 @@ def measure_case(fn, logits, target, weights, *, with_entropy: bool, backward: b
 def check_agreement(logits, target, weights) -> dict[str, float]:
     out = {}
     grads = {}
-    for name, fn in (("fused", fused), ("naive", naive)):
+    for name, fn in (("fused", fused), ("naive", naive), ("parallel_kernel", parallel_kernel)):
         logits.grad = None
         log_probs, entropy = fn(logits, target, True)
         loss_of(log_probs, entropy, weights).backward()
@@ -87,6 +97,8 @@ def check_agreement(logits, target, weights) -> dict[str, float]:
         "max_abs_diff_entropy": float((out["fused"][1] - out["naive"][1]).abs().max()),
         "max_abs_diff_grad": float((grads["fused"] - grads["naive"]).abs().max()),
         "max_abs_grad": float(grads["naive"].abs().max()),
+        "max_abs_diff_log_probs_parallel_kernel": float((out["parallel_kernel"][0] - out["naive"][0]).abs().max()),
+        "max_abs_diff_grad_parallel_kernel": float((grads["parallel_kernel"] - grads["naive"]).abs().max()),
     }
 
 
@@ -114,7 +126,9 @@ def main(argv=None) -> dict:
                "logits_gib": logits.numel() * logits.element_size() / 2**30,
                "agreement": check_agreement(logits, target, weights), "cases": {}}
     for name, fn, with_entropy in (("fused_logprob", fused, False), ("naive_logprob", naive, False),
-                                   ("fused_logprob_entropy", fused, True), ("naive_logprob_entropy", naive, True)):
+                                   ("parallel_kernel_logprob", parallel_kernel, False),
+                                   ("fused_logprob_entropy", fused, True), ("naive_logprob_entropy", naive, True),
+                                   ("parallel_kernel_logprob_entropy", parallel_kernel, True)):
         for backward in (False, True):
             key = f"{name}_{'fwd_bwd' if backward else 'fwd'}"
             results["cases"][key] = measure_case(fn, logits, target, weights, with_entropy=with_entropy,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full
+#   bash bench/run_device.sh smoke|full|attn
+# (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
 # Expects PYTHONPATH to hold megatron-core and the repo, and $OUT to be the folder that comes back.
 # Writes $OUT/<mode>.log (everything) and one JSON per benchmark; a failing step is logged and the
 # others still run (rc of each step is printed in the summary at the end).
@@ -38,6 +39,11 @@ if [ "$MODE" = smoke ]; then
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=3 trainer.test_freq=100 trainer.save_freq=100 \
     trainer.default_local_dir=$GRPO_DIR
+elif [ "$MODE" = attn ]; then
+  step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
+  step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \
+    --group-size 8 --warmup 1 --iters 2 --hf-attn sdpa --core-attention sdpa --profile --out "$OUT/train_attn.json"
+  step sdpa_cuda_test timeout 100 python3 -m pytest tests/models/test_sdpa_attention.py -k cuda -q -s -p no:cacheprovider
 else
   if [ "${RUN_PARITY:-0}" = 1 ]; then
     step parity python3 -m pytest tests/gpu -q -s -p no:cacheprovider
@@ -53,5 +59,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

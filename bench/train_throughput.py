@@ -1,7 +1,8 @@
 """Actor-update throughput (tokens/s, MFU) of the Megatron ActorEngine vs a plain HF transformers step.
 
 For each Qwen2-shaped model (random weights) it builds :class:`megarl.engines.megatron.actor.ActorEngine`
-(local layer spec, bf16 params with fp32 main params and fp32 grads, Adam, grad clip 1.0, TP=PP=1),
+(local layer spec with the SDPA core attention, or megatron's own materialising ``DotProductAttention``
+with ``--core-attention local``; bf16 params with fp32 main params and fp32 grads, Adam, grad clip 1.0, TP=PP=1),
 computes the old log-probs (forward only, timed) and times ``update_policy`` on a GRPO-style batch: rows
 of ``prompt_len + response_len`` tokens, every token real (no padding: the engine pads each micro-batch
 to the batch's P + R and has no sequence packing, so full rows keep padding out of the count), groups of
@@ -51,7 +52,7 @@ def make_grpo_batch(*, rows: int, prompt_len: int, response_len: int, vocab: int
     return batch
 
 
-def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: float):
+def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: float, core_attention: str = "sdpa"):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -59,7 +60,7 @@ def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: 
     from megarl.engines.megatron.parallel import ParallelLayout
     from megarl.models.bridge import ModelBridge
 
-    bridge = ModelBridge.from_hf_config(hf_cfg, spec="local")
+    bridge = ModelBridge.from_hf_config(hf_cfg, spec="local", core_attention=core_attention)
     config = bridge.transformer_config(layout=ParallelLayout(), params_dtype=dtype)
 
     def provider(pre_process, post_process, vp_stage=None):
@@ -79,9 +80,10 @@ def rates(tokens: int, seconds: float, flops_per_token: float, matmul_tflops: fl
             "mfu_vs_spec": achieved / H200_SPEC_BF16_DENSE_TFLOPS, "mfu_vs_measured_matmul": achieved / matmul_tflops}
 
 
-def bench_megatron(hf_cfg, batch, args, device, matmul_tflops) -> dict:
+def bench_megatron(hf_cfg, batch, args, device, matmul_tflops, core_attention: str = "sdpa") -> dict:
     reset_peak_memory(device)
-    actor = build_actor(hf_cfg, dtype=_DTYPES[args.dtype], micro_batch_size=args.micro_batch_size, lr=1e-6)
+    actor = build_actor(hf_cfg, dtype=_DTYPES[args.dtype], micro_batch_size=args.micro_batch_size, lr=1e-6,
+                        core_attention=core_attention)
     seq = batch.input_ids.shape[1]
     tokens = batch.input_ids.numel()
 
@@ -102,6 +104,7 @@ def bench_megatron(hf_cfg, batch, args, device, matmul_tflops) -> dict:
                                                        forward_flops_per_token(hf_cfg, seq), matmul_tflops)},
         "update_policy": {**summarize(upd), **rates(tokens, statistics.median(upd),
                                                     train_flops_per_token(hf_cfg, seq), matmul_tflops)},
+        "core_attention": core_attention,
         "peak_memory_gib": peak_memory_gib(device),
         "last_metrics": {k: float(v) for k, v in metrics.items()},
     }
@@ -201,6 +204,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
     parser.add_argument("--hf-attn", default="sdpa,eager", help="HF baselines to run ('' for none)")
+    parser.add_argument("--core-attention", default="sdpa",
+                        help="megatron core attentions to run, comma-separated (sdpa, local); the first is "
+                             "'megatron' in the JSON, the others 'megatron_<name>'")
     parser.add_argument("--profile", action="store_true", help="profile one extra megatron update (GPU only)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="JSON file for the results")
@@ -223,14 +229,25 @@ def main(argv=None) -> dict:
         entry = {"total_params": total_params(hf_cfg), "matmul_params": matmul_params(hf_cfg),
                  "train_flops_per_token": train_flops_per_token(hf_cfg, seq), "seq_len": seq,
                  "tokens_per_step": batch.input_ids.numel()}
+        cores = [c for c in args.core_attention.split(",") if c]
         try:
-            entry["megatron"] = bench_megatron(hf_cfg, batch, args, device, matmul_tflops)
+            entry["megatron"] = bench_megatron(hf_cfg, batch, args, device, matmul_tflops, cores[0])
         except torch.cuda.OutOfMemoryError as exc:
             entry["megatron"] = {"error": f"OOM: {exc}"[:300]}
             results["models"][name] = entry
             gc.collect()
             torch.cuda.empty_cache()
             continue
+        for core in cores[1:]:
+            try:
+                entry[f"megatron_{core}"] = bench_megatron(hf_cfg, batch, args, device, matmul_tflops, core)
+                entry[f"ratio_megatron_over_megatron_{core}"] = (
+                    entry["megatron"]["update_policy"]["tokens_per_s"]
+                    / entry[f"megatron_{core}"]["update_policy"]["tokens_per_s"])
+            except torch.cuda.OutOfMemoryError as exc:
+                entry[f"megatron_{core}"] = {"error": f"OOM: {exc}"[:300]}
+                gc.collect()
+                torch.cuda.empty_cache()
         for impl in [a for a in args.hf_attn.split(",") if a]:
             try:
                 entry[f"hf_{impl}"] = bench_hf(hf_cfg, batch, args, device, matmul_tflops, impl)

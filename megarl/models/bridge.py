@@ -1,7 +1,7 @@
 """ModelBridge: one HF causal-LM config <-> megatron-core GPTModel (config, spec, model, weight names).
 
-``ModelBridge.from_hf_config(cfg_or_dict_or_dir, spec="auto"|"local"|"te")`` picks the architecture
-module (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) and then answers:
+``ModelBridge.from_hf_config(cfg_or_dict_or_dir, spec="auto"|"local"|"te", core_attention="sdpa"|"local")``
+picks the architecture module (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) and then answers:
 
 * building: :meth:`transformer_config` (keyword-only, parallel layout in, ``TransformerConfig`` /
   ``MLATransformerConfig`` out), :meth:`layer_spec`, :meth:`build_model`, :meth:`padded_vocab_size`;
@@ -14,6 +14,10 @@ module (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) and then answers:
 HF names are the safetensors checkpoint names (what ``save_pretrained`` writes and vLLM reads: one tensor
 per expert, ``model.layers.<i>.mlp.experts.<e>.gate_proj.weight``), not transformers 5's in-memory fused
 expert parameters.
+
+Core attention on the local spec: ``"sdpa"`` (the default, CPU and CUDA) is
+:class:`megarl.models.sdpa_attention.SDPADotProductAttention` (fused PyTorch kernels, also for MLA);
+``"local"`` is megatron's own materialising ``DotProductAttention``. The TE spec keeps TE's attention.
 
 Vocabulary padding: a full tensor is padded to ``padded_vocab_size(1)``; :meth:`shard_tp` pads further
 to ``padded_vocab_size(tp_size)`` (zero rows) and :meth:`merge_tp` trims back. With tied embeddings there
@@ -40,6 +44,7 @@ from megarl.models.weight_mapping import ParamRule, fuse_qkv, merge_shards, pad_
 logger = logging.getLogger(__name__)
 
 SPEC_CHOICES = ("auto", "local", "te")
+CORE_ATTENTION_CHOICES = ("sdpa", "local")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT_RE = re.compile(r"^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
@@ -56,10 +61,13 @@ def transformer_engine_available() -> bool:
 
 class ModelBridge:
     def __init__(self, hf_config: Any, architecture: Architecture, *, spec: str, expert_layout: str,
-                 make_vocab_size_divisible_by: int = 128):
+                 make_vocab_size_divisible_by: int = 128, core_attention: str = "sdpa"):
+        if core_attention not in CORE_ATTENTION_CHOICES:
+            raise ValueError(f"core_attention must be one of {CORE_ATTENTION_CHOICES}, got {core_attention!r}")
         self.hf_config = hf_config
         self.architecture = architecture
         self.spec = spec
+        self.core_attention = core_attention
         self.expert_layout = expert_layout
         self.make_vocab_size_divisible_by = make_vocab_size_divisible_by
         self.dims: DecoderDims = architecture.read_dims(hf_config)
@@ -75,8 +83,11 @@ class ModelBridge:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_hf_config(cls, hf_config: HFConfigLike, *, spec: str = "auto", expert_layout: Optional[str] = None,
-                       make_vocab_size_divisible_by: int = 128) -> "ModelBridge":
-        """``expert_layout``: 'grouped' (TEGroupedMLP; default with TE) or 'sequential' (SequentialMLP)."""
+                       make_vocab_size_divisible_by: int = 128, core_attention: str = "sdpa") -> "ModelBridge":
+        """``expert_layout``: 'grouped' (TEGroupedMLP; default with TE) or 'sequential' (SequentialMLP).
+
+        ``core_attention`` ('sdpa' or 'local') picks the local spec's core attention; ignored with TE.
+        """
         if spec not in SPEC_CHOICES:
             raise ValueError(f"spec must be one of {SPEC_CHOICES}, got {spec!r}")
         if make_vocab_size_divisible_by < 1:
@@ -85,7 +96,7 @@ class ModelBridge:
         resolved = spec if spec != "auto" else ("te" if transformer_engine_available() else "local")
         layout = expert_layout or ("grouped" if resolved == "te" else "sequential")
         return cls(config, architecture_for(architecture_name(config)), spec=resolved, expert_layout=layout,
-                   make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, core_attention=core_attention)
 
     @property
     def hf_architecture(self) -> str:
@@ -140,14 +151,35 @@ class ModelBridge:
         if not self.architecture.has_moe and not self.architecture.uses_mla:
             if use_te:
                 return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.dims.qk_norm)
-            return specs.get_gpt_layer_local_spec(qk_layernorm=self.dims.qk_norm, normalization="RMSNorm")
+            layer = specs.get_gpt_layer_local_spec(qk_layernorm=self.dims.qk_norm, normalization="RMSNorm")
+            if self.core_attention == "sdpa":
+                self._use_sdpa_core_attention([layer])
+            return layer
         block = specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                                  vp_stage=vp_stage)
-        if self.architecture.uses_mla and not use_te:
+        if not use_te and self.core_attention == "sdpa":
+            self._use_sdpa_core_attention(block.layer_specs)
+        elif self.architecture.uses_mla and not use_te:
             from megarl.models.mla_local import patch_mla_core_attention
 
             patch_mla_core_attention(block.layer_specs)
         return block
+
+    @staticmethod
+    def _use_sdpa_core_attention(layer_specs) -> None:
+        """Swap megatron's local DotProductAttention for the SDPA one in each layer spec (in place)."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from megarl.models.sdpa_attention import SDPADotProductAttention
+
+        for layer_spec in layer_specs:
+            submodules = layer_spec.submodules.self_attention.submodules
+            if submodules.core_attention is SDPADotProductAttention:
+                continue  # layer specs of one block can share their attention submodules
+            if submodules.core_attention is not DotProductAttention:
+                raise TypeError(f"expected megatron's local DotProductAttention in the layer spec, found "
+                                f"{submodules.core_attention!r}")
+            submodules.core_attention = SDPADotProductAttention
 
     def build_model(self, *, config, pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
         from megatron.core.models.gpt import GPTModel

@@ -1,17 +1,23 @@
 """Per-token log-probabilities and entropy from tensor-parallel (vocab-sharded) logits.
 
-Each TP rank holds the logits of its vocabulary slice ``[vocab_start, vocab_start + V/tp)``. The full-vocab
-softmax is never materialised: the forward all-reduces, over the TP group, four small ``[N]`` tensors
-(the max, the sum of exp, the target logit, the sum of p * logit), and the backward needs no collective at
-all, because the gradient for a vocabulary entry only involves its own probability and the already reduced
-per-token scalars. The autograd function keeps one ``[N, V/tp]`` fp32 buffer (the local probabilities) for
-the backward, so log-prob and entropy together cost the same memory as one softmax.
+Two autograd functions, chosen by :func:`compute_vocab_parallel_log_probs`:
+
+* TP > 1 (each rank holds the logits of its vocabulary slice ``[vocab_start, vocab_start + V/tp)``): the
+  full-vocab softmax is never materialised; the forward all-reduces four small ``[N]`` tensors (the max,
+  the sum of exp, the target logit, the sum of p * logit) and the backward needs no collective, because
+  the gradient for a vocabulary entry only involves its own probability and the reduced per-token
+  scalars. It keeps one ``[N, V/tp]`` fp32 buffer (the local probabilities) for the backward.
+* TP = 1 (no group, or a group of one): no collectives and no full-size fp32 buffer at all. Rows are
+  processed in chunks of about ``_CHUNK_ELEMENTS`` logits: PyTorch's fused ``log_softmax`` (reading bf16,
+  writing fp32 on CUDA) and a gather give the log-probs, the entropy is a row-wise dot of p and log p.
+  Only ``[N]`` scalars (log-sum-exp, entropy) are saved; the backward recomputes each chunk's softmax
+  from the logits, which autograd keeps alive anyway, so the extra memory is one fp32 chunk, not the
+  2x-the-logits fp32 probabilities.
 
 Gradients (z = logits / T, p = softmax(z), t = target):
     d log p_t / dz_j = 1[j = t] - p_j
     d H / dz_j       = -p_j (log p_j + H)
-Leaves out: masking of vocabulary padding columns (the caller's model owns its padded vocabulary) and
-context/sequence-parallel splitting of the sequence dimension (logits here are full-sequence).
+Leaves out: context/sequence-parallel splitting of the sequence dimension (logits here are full-sequence).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
         exp_z = z.exp()
         sum_exp = exp_z.sum(dim=-1)
-        sum_exp_z = (exp_z * z).sum(dim=-1)
+        sum_exp_z = torch.linalg.vecdot(exp_z, z)  # no third [N, V] buffer for the product
         # One collective for the three sums (they share the group and the op).
         packed = _all_reduce(torch.stack([sum_exp, sum_exp_z, target_z]), dist.ReduceOp.SUM, group)
         sum_exp, sum_exp_z, target_z = packed[0], packed[1], packed[2]
@@ -81,6 +87,81 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 
+# Logits per chunk of the TP=1 path: 2**28 fp32 temporaries are 1 GiB, about 1,800 rows of a 151,936 vocab.
+_CHUNK_ELEMENTS = 2**28
+
+
+def _row_chunks(rows: int, cols: int):
+    step = max(1, _CHUNK_ELEMENTS // max(cols, 1))
+    return range(0, rows, step), step
+
+
+def _chunk_log_softmax(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 log-softmax of one chunk; bf16/fp16 logits at T = 1 are read directly (no fp32 copy first)."""
+    if temperature != 1.0:
+        # copy=True: .float() of fp32 logits is the caller's tensor itself, and div_ would change it.
+        return torch.log_softmax(chunk.to(torch.float32, copy=True).div_(temperature), dim=-1)
+    return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+
+
+class _FullVocabLogProbEntropy(torch.autograd.Function):
+    """TP = 1: chunked fused log-softmax; saves ``[N]`` scalars and recomputes the softmax in backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, temperature):
+        rows, cols = logits.shape
+        log_probs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty_like(log_probs)
+        log_norm = torch.empty_like(log_probs)  # log-sum-exp of z, to rebuild log p = z - log_norm
+        starts, step = _row_chunks(rows, cols)
+        for start in starts:
+            sl = slice(start, start + step)
+            log_p = _chunk_log_softmax(logits[sl], temperature)
+            index = target[sl].unsqueeze(-1)
+            log_probs[sl] = log_p.gather(-1, index).squeeze(-1)
+            target_z = logits[sl].gather(-1, index).squeeze(-1).float() / temperature
+            log_norm[sl] = target_z - log_probs[sl]
+            # H = -sum p log p; exp(-inf) * -inf cannot occur: log_softmax of finite logits is finite.
+            entropy[sl] = -torch.linalg.vecdot(log_p.exp(), log_p)
+        ctx.save_for_backward(logits, target, log_norm, entropy)
+        ctx.set_materialize_grads(False)
+        ctx.temperature = temperature
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        logits, target, log_norm, entropy = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad = torch.empty_like(logits)
+        starts, step = _row_chunks(*logits.shape)
+        for start in starts:
+            sl = slice(start, start + step)
+            log_p = logits[sl].to(torch.float32, copy=True)  # modified in place below
+            if temperature != 1.0:
+                log_p.div_(temperature)
+            log_p.sub_(log_norm[sl].unsqueeze(-1))
+            probs = log_p.exp()
+            # d/dz_j = -p_j * (g_lp + g_H * (log p_j + H)) + 1[j = t] * g_lp
+            if grad_entropy is not None:
+                coef = log_p.add_(entropy[sl].unsqueeze(-1)).mul_(grad_entropy[sl].unsqueeze(-1))
+                if grad_log_probs is not None:
+                    coef.add_(grad_log_probs[sl].unsqueeze(-1))
+                chunk_grad = probs.mul_(coef).neg_()
+            else:
+                del log_p
+                chunk_grad = probs.mul_(grad_log_probs[sl].unsqueeze(-1)).neg_()
+            if grad_log_probs is not None:
+                chunk_grad.scatter_add_(-1, target[sl].unsqueeze(-1), grad_log_probs[sl].unsqueeze(-1))
+            if temperature != 1.0:
+                chunk_grad.div_(temperature)
+            grad[sl] = chunk_grad
+        return grad, None, None
+
+
+def _is_single_rank(group) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
 def compute_vocab_parallel_log_probs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -99,6 +180,8 @@ def compute_vocab_parallel_log_probs(
 
     ``vocab_size`` is the real (tokenizer) vocabulary: columns at or beyond it are megatron's vocab
     padding rows and get zero probability, so the distribution matches the HF/rollout model's exactly.
+    Targets must be real tokens (``< vocab_size``). At TP = 1 the backward reads ``logits`` again, so
+    they must not be modified in place between forward and backward (autograd's version check says so).
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree on leading dims")
@@ -109,11 +192,17 @@ def compute_vocab_parallel_log_probs(
         vocab_start = rank * logits.shape[-1]
     lead_shape = target.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_target = target.reshape(-1).long()
+    if _is_single_rank(tp_group) and vocab_start == 0:
+        if vocab_size is not None and vocab_size < flat_logits.shape[-1]:
+            # The padding columns drop out of the softmax (a strided view, no copy) and get zero gradient.
+            flat_logits = flat_logits[:, :vocab_size]
+        log_probs, entropy = _FullVocabLogProbEntropy.apply(flat_logits, flat_target, float(temperature))
+        return log_probs.view(lead_shape), entropy.view(lead_shape)
     if vocab_size is not None and vocab_start + flat_logits.shape[-1] > vocab_size:
         padded = torch.arange(flat_logits.shape[-1], device=flat_logits.device) + vocab_start >= vocab_size
         # A finite floor, not -inf: the entropy's sum of p * logit must stay 0 * finite on those columns.
         flat_logits = flat_logits.masked_fill(padded, torch.finfo(flat_logits.dtype).min / 2)
-    flat_target = target.reshape(-1).long()
     log_probs, entropy = _VocabParallelLogProbEntropy.apply(
         flat_logits, flat_target, int(vocab_start), float(temperature), tp_group
     )

@@ -1,0 +1,130 @@
+"""Core attention for megatron's local layer spec through ``torch.nn.functional.scaled_dot_product_attention``.
+
+megatron-core's local ``DotProductAttention`` materialises ``[b, heads, s, s]`` scores, fills them with the
+mask, runs an fp32 softmax and keeps the probabilities for backward. :class:`SDPADotProductAttention` is
+a drop-in replacement (same constructor and forward as ``DotProductAttention`` in megatron-core 0.16-0.19,
+plus MLA's ``k_channels`` / ``v_channels``) that lets PyTorch pick a fused kernel:
+
+* a mask that is exactly causal (no padding anywhere in the micro-batch) runs with ``is_causal=True`` and
+  no mask tensor, which allows the flash kernel on CUDA;
+* any other mask (left-padded prompts, right-padded responses) is passed as a boolean mask, which on CUDA
+  selects the memory-efficient kernel (flash takes no arbitrary mask).
+
+Which case applies is decided once per mask tensor (one comparison and one host sync per forward, not per
+layer): :func:`prepare_sdpa_mask` caches its answer for the last mask it saw, keyed by identity and version.
+
+Mask convention: megatron's (True = masked) ``[b, 1, sq, sk]``. A query row whose keys are all masked (a
+padding query under left padding) would make the softmax 0/0; the diagonal is therefore always allowed.
+That changes nothing for real tokens (a real query always sees itself) and gives padding queries a finite
+output that differs from the local spec's (it spreads them uniformly over all keys). Neither is used: the
+loss masks padding positions and no real query attends to a padding key.
+
+Left out: attention dropout > 0, packed sequences (``packed_seq_params``), attention bias, context
+parallelism, sliding windows, softmax offsets ("off-by-one"/"learnable" softmax); each raises.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+# (weakref to the megatron mask, its _version, the SDPA mask or None for pure causal)
+_mask_cache: list = [None, -1, None]
+
+
+def prepare_sdpa_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """megatron bool mask (True = masked) -> SDPA bool mask (True = attend), or None if exactly causal."""
+    if attention_mask.dtype != torch.bool:
+        raise TypeError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}")
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be [b, 1, sq, sk], got shape {tuple(attention_mask.shape)}")
+    ref, version, cached = _mask_cache
+    if ref is not None and ref() is attention_mask and version == attention_mask._version:
+        return cached
+    sq, sk = attention_mask.shape[-2:]
+    eye = torch.eye(sq, sk, dtype=torch.bool, device=attention_mask.device)
+    causal = torch.ones(sq, sk, dtype=torch.bool, device=attention_mask.device).triu_(1)
+    if sq == sk and torch.equal(attention_mask, causal.expand_as(attention_mask)):
+        prepared = None
+    else:
+        prepared = ~attention_mask | eye
+    _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, prepared]
+    return prepared
+
+
+class SDPADotProductAttention(MegatronModule):
+    """``DotProductAttention`` (local spec) computed by ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError(f"SDPADotProductAttention does not support context parallelism "
+                             f"(context_parallel_size={config.context_parallel_size}); use the TE spec")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"SDPADotProductAttention supports attention_dropout=0 only, got {dropout}")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"SDPADotProductAttention supports softmax_type='vanilla' only, "
+                             f"got {config.softmax_type!r}")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError(f"SDPADotProductAttention has no sliding-window attention "
+                             f"(window_size={config.window_size})")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        tp_size = pg_collection.tp.size()
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.hidden_size_per_attention_head = k_channels or config.kv_channels
+        self.hidden_size_per_attention_head_v = v_channels or config.kv_channels
+        # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the scores back
+        # before the softmax (an fp16 overflow guard): the net scale is unchanged, so it is ignored here.
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
+                              if softmax_scale is None else softmax_scale)
+        self.softmax_offset = None  # what megatron's code looks up on a core attention
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
+                attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
+        """``[sq, b, np, hn]`` q, ``[sk, b, ng, hn]`` k/v (GQA: ng divides np) -> ``[sq, b, np * hv]``."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("SDPADotProductAttention does not support packed sequences "
+                                      "(packed_seq_params); use the TE spec or core_attention='local'")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPADotProductAttention does not support attention_bias")
+        heads, groups = query.shape[2], key.shape[2]
+        if heads % groups or value.shape[2] != groups:
+            raise ValueError(f"query has {heads} heads, key {groups} and value {value.shape[2]} groups: "
+                             f"the heads must be a multiple of equal key/value groups")
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if heads != groups:
+            # Expanded copies rather than enable_gqa: the memory-efficient kernel (the masked case) does
+            # not take GQA inputs, and the copies are small next to the attention itself.
+            k = k.repeat_interleave(heads // groups, dim=1)
+            v = v.repeat_interleave(heads // groups, dim=1)
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if attention_mask is None:
+            sdpa_mask, is_causal = None, mask_type == AttnMaskType.causal
+        else:
+            sdpa_mask = prepare_sdpa_mask(attention_mask)
+            is_causal = sdpa_mask is None
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, dropout_p=0.0,
+                                                 is_causal=is_causal, scale=self.softmax_scale)
+        # [b, h, sq, hv] -> [sq, b, h * hv]
+        return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)

@@ -1,0 +1,61 @@
+"""The TP=1 log-prob path (chunked fused log-softmax, softmax recomputed in backward) against float64.
+
+Values and gradients of log-prob + entropy, with a temperature, with chunks smaller than the batch (so
+several chunks and a ragged last one run), for fp32 and bf16 logits, and with vocabulary padding.
+"""
+
+import pytest
+import torch
+
+import megarl.engines.megatron.logprob as logprob
+from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
+
+
+def _reference(logits, target, temperature):
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_log_probs_entropy_and_grads_match_float64(monkeypatch, dtype, tol, temperature):
+    monkeypatch.setattr(logprob, "_CHUNK_ELEMENTS", 3 * 40)  # 3 rows per chunk, 7 rows: chunks 3, 3, 1
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(7, 40, generator=g) * 4).to(dtype)
+    logits[0, 5] = 80.0  # saturated row: other probabilities underflow to exactly 0
+    target = torch.randint(0, 40, (7,), generator=g)
+    w_lp, w_ent = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    x = logits.clone().requires_grad_(True)
+    log_probs, entropy = compute_vocab_parallel_log_probs(x, target, temperature=temperature)
+    ((log_probs * w_lp).sum() + (entropy * w_ent).sum()).backward()
+
+    ref_x = logits.double().requires_grad_(True)
+    ref_lp, ref_ent = _reference(ref_x, target, temperature)
+    ((ref_lp * w_lp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
+    assert log_probs.dtype == torch.float32 and x.grad.dtype == dtype
+    torch.testing.assert_close(log_probs.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad.double(), ref_x.grad, rtol=tol, atol=tol)
+
+
+def test_only_entropy_grad_and_padding_columns(monkeypatch):
+    monkeypatch.setattr(logprob, "_CHUNK_ELEMENTS", 16)
+    g = torch.Generator().manual_seed(5)
+    real_vocab, padded_vocab = 6, 8
+    logits = torch.randn(2, 3, padded_vocab, generator=g, requires_grad=True)
+    target = torch.randint(0, real_vocab, (2, 3), generator=g)
+    _, entropy = compute_vocab_parallel_log_probs(logits, target, vocab_size=real_vocab)
+    entropy.sum().backward()
+    ref_x = logits.detach()[..., :real_vocab].double().requires_grad_(True)
+    _reference(ref_x, target, 1.0)[1].sum().backward()
+    torch.testing.assert_close(logits.grad[..., :real_vocab].double(), ref_x.grad, rtol=1e-5, atol=1e-6)
+    assert torch.all(logits.grad[..., real_vocab:] == 0)
+
+
+def test_fp32_logits_are_not_modified_in_place():
+    logits = torch.randn(4, 10, requires_grad=True)
+    before = logits.detach().clone()
+    log_probs, entropy = compute_vocab_parallel_log_probs(logits, torch.arange(4), temperature=0.5)
+    (log_probs.sum() + entropy.sum()).backward()
+    assert torch.equal(logits.detach(), before)
