@@ -106,10 +106,10 @@ class _MegatronRole:
         return self.bridge.transformer_config(layout=self.layout, params_dtype=self.params_dtype,
                                               **transformer_overrides(self.megatron))
 
-    def _provider(self, config):
+    def _provider(self, config, *, tie_embeddings: Optional[bool] = None):
         def build(pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
             return self.bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
-                                           vp_stage=vp_stage)
+                                           vp_stage=vp_stage, tie_embeddings=tie_embeddings)
         return build
 
     def _load_hf(self, engine) -> None:
@@ -300,7 +300,7 @@ class CriticWorker(_MegatronRole):
         self._bring_up(cfg, c.megatron, c.model_path or cfg.actor_rollout_ref.model.path)
         config = self._new_transformer_config()
         self.critic = CriticEngine(
-            model_provider=self._provider(config), config=config,
+            model_provider=self._provider(config, tie_embeddings=False), config=config,
             optimizer_config=megatron_optimizer_config(c.optim, c.megatron),
             lr_schedule=lr_schedule(c.optim, total_steps), ddp_config=ddp_config(c.megatron),
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,

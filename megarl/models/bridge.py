@@ -181,7 +181,10 @@ class ModelBridge:
                                 f"{submodules.core_attention!r}")
             submodules.core_attention = SDPADotProductAttention
 
-    def build_model(self, *, config, pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
+    def build_model(self, *, config, pre_process: bool, post_process: bool, vp_stage: Optional[int] = None,
+                    tie_embeddings: Optional[bool] = None):
+        """``tie_embeddings=False`` builds a separate output layer even for a tied HF model (the critic
+        replaces it with its value head)."""
         from megatron.core.models.gpt import GPTModel
 
         kwargs = self.architecture.gpt_model_kwargs(self.hf_config)
@@ -191,7 +194,8 @@ class ModelBridge:
             config=config, transformer_layer_spec=self.layer_spec(config, vp_stage=vp_stage),
             vocab_size=self.padded_vocab_size(config.tensor_model_parallel_size),
             pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=self.tied_embeddings, **kwargs,
+            share_embeddings_and_output_weights=self.tied_embeddings if tie_embeddings is None else tie_embeddings,
+            **kwargs,
         )
 
     # ------------------------------------------------------------------ names

@@ -3,8 +3,9 @@
 
 Everything heavy happens in the worker groups (Megatron engines, rollout engine); this file only decides
 what happens in which order and moves small batches between them. It simplifies on purpose: one
-synchronous step at a time (no rollout/train overlap), one actor worker group that also holds rollout
-and reference (the hybrid engine), an optional critic group.
+synchronous step at a time (no rollout/train overlap, no partial rollouts); the actor group holds the
+reference and, colocated, the rollout replicas (the hybrid engine), or a separate rollout group serves
+generation; an optional critic group.
 """
 
 from __future__ import annotations
