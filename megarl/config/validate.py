@@ -65,6 +65,9 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int) -> int:
             f"{prefix}.expert_model_parallel_size x expert_tensor_parallel_size = {expert_group} must divide "
             f"data x tensor x context parallel = {dp * m.tensor_model_parallel_size * m.context_parallel_size}"
         )
+    if m.context_parallel_size > 1:
+        raise ConfigError(f"{prefix}.context_parallel_size={m.context_parallel_size}: context parallelism is not "
+                          "supported by the megarl engines yet (use 1)")
     if m.sequence_parallel and m.tensor_model_parallel_size == 1:
         raise ConfigError(f"{prefix}.sequence_parallel needs tensor_model_parallel_size > 1")
     return dp

@@ -36,7 +36,14 @@ class InProcessWorkerGroup:
             ENV_LOCAL_DEVICE: "0" if device == "cuda" else "", ENV_GROUP_NAME: self.name, ENV_POOL_NODE: "0",
             **dict(env or {}),
         })
-        self.worker = worker_cls(**dict(init_kwargs or {}))
+        try:
+            self.worker = worker_cls(**dict(init_kwargs or {}))
+        except BaseException:
+            # A half-built worker may have joined torch.distributed; leave the process as it found it.
+            from megarl.engines.megatron.parallel import destroy_megatron_parallel
+
+            destroy_megatron_parallel()
+            raise
         self._layout = DPLayout.pure_data_parallel(1)
 
     def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:

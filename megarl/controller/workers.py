@@ -354,6 +354,11 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
     from megarl.engines.rollout.base import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
+    if rollout.tensor_model_parallel_size > 1:
+        raise NotImplementedError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: rollout "
+            "engines spanning several ranks are not wired into the workers yet; each rank serves a whole replica "
+            "(set it to 1)")
     engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
     if rollout.name == "vllm":
         engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,

@@ -122,3 +122,15 @@ def test_offloading_between_phases_changes_nothing(tmp_path):
     for a, b in zip(resident, offloaded):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ref_kl"):
             assert a[key] == b[key], (a["step"], key)
+
+
+def test_in_process_backend_cleans_up_after_a_failed_start(tmp_path):
+    import torch.distributed as dist
+
+    bad = _config(tmp_path / "bad", "trainer.backend=inprocess")
+    bad.actor_rollout_ref.rollout.tensor_model_parallel_size = 2  # past validation: the worker refuses it
+    with pytest.raises(NotImplementedError, match="rollout.tensor_model_parallel_size=2"):
+        _run(bad)
+    assert not dist.is_initialized()
+    # The process can host the next run.
+    assert len(_run(_config(tmp_path / "good", "trainer.backend=inprocess", "trainer.total_training_steps=1"))) == 1
