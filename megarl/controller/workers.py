@@ -423,6 +423,6 @@ def _policy_loss_name(configured: str) -> str:
 def worker_env_for(cfg: MegarlConfig) -> dict[str, str]:
     """Environment every worker needs (threads: the CPU demo must not oversubscribe two cores)."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    if cfg.trainer.device == "cpu":
+    if cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available()):
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return env
