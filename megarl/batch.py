@@ -4,7 +4,8 @@
 prompts left-padded and responses right-padded so that ``cat(prompt, response)`` is one contiguous
 sequence per row. ``TrainBatch`` is the same rows plus everything the update needs (old/ref log-probs,
 values, rewards, advantages). Both are plain dataclasses of tensors and lists, so the controller can
-split them by data-parallel rank and concatenate results generically. Nothing here computes losses.
+split them by data-parallel rank and concatenate results generically
+(:mod:`megarl.controller.batch_split`). Nothing here computes losses.
 """
 
 from __future__ import annotations
@@ -80,22 +81,3 @@ def select_rows(batch, index: torch.Tensor | list[int] | slice):
         else:
             picked[f.name] = value
     return type(batch)(**picked)
-
-
-def concat_batches(batches: list):
-    """Concatenate dataclass batches of one type row-wise (inverse of splitting)."""
-    if not batches:
-        raise ValueError("concat_batches needs at least one batch")
-    kind = type(batches[0])
-    merged = {}
-    for f in dataclasses.fields(kind):
-        values = [getattr(b, f.name) for b in batches]
-        if all(v is None for v in values):
-            merged[f.name] = None
-        elif all(isinstance(v, torch.Tensor) for v in values):
-            merged[f.name] = torch.cat(values, dim=0)
-        elif all(isinstance(v, list) for v in values):
-            merged[f.name] = [x for v in values for x in v]
-        else:
-            raise TypeError(f"field {f.name!r} mixes None and values across batches; cannot concatenate")
-    return kind(**merged)

@@ -25,6 +25,7 @@ from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+from megarl.models.bridge import unwrap_model
 from megarl.weight_sync.transport import WeightTransport
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -115,7 +116,7 @@ class _MegatronRole:
     def _load_hf(self, engine) -> None:
         from megarl.models.hf_checkpoint import load_hf_weights
 
-        load_hf_weights([_unwrap(chunk) for chunk in engine.model], self.model_path, self.bridge)
+        load_hf_weights([unwrap_model(chunk) for chunk in engine.model], self.model_path, self.bridge)
         if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
             engine.optimizer.reload_model_params()
 
@@ -130,12 +131,6 @@ class _MegatronRole:
 
     def get_dp_info(self) -> DPInfo:
         return DPInfo(self.rank_info.dp_rank, self.rank_info.dp_size, self.rank_info.is_collect_rank)
-
-
-def _unwrap(module):
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
 
 
 class ActorRolloutRefWorker(_MegatronRole):
@@ -311,7 +306,7 @@ class CriticWorker(_MegatronRole):
         """The value model starts from the policy's transformer; its scalar head is freshly initialised."""
         from megarl.models.hf_checkpoint import load_hf_weights
 
-        load_hf_weights([_unwrap(chunk) for chunk in self.critic.model], self.model_path, self.bridge,
+        load_hf_weights([unwrap_model(chunk) for chunk in self.critic.model], self.model_path, self.bridge,
                         exclude_prefixes=("output_layer.",))
         self.critic.optimizer.reload_model_params()
 
@@ -420,9 +415,9 @@ def _policy_loss_name(configured: str) -> str:
     return "ppo_clip" if configured == "dual_clip" else configured
 
 
-def worker_env_for(cfg: MegarlConfig) -> dict[str, str]:
-    """Environment every worker needs (threads: the CPU demo must not oversubscribe two cores)."""
+def worker_env_for(device: str) -> dict[str, str]:
+    """Environment every worker needs on ``device`` (threads: CPU workers must not oversubscribe the cores)."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    if cfg.trainer.device == "cpu" or (cfg.trainer.device == "auto" and not torch.cuda.is_available()):
+    if device == "cpu":
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     return env

@@ -59,6 +59,13 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's wrappers (DistributedDataParallel, Float16Module keep it at ``.module``)."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
 class ModelBridge:
     def __init__(self, hf_config: Any, architecture: Architecture, *, spec: str, expert_layout: str,
                  make_vocab_size_divisible_by: int = 128, core_attention: str = "sdpa"):

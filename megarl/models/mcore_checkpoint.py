@@ -34,6 +34,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megarl.models.bridge import unwrap_model
 from megarl.models.convert.safetensors_stream import (
     TensorLocation, file_crc32, fsync_directory, read_safetensors_header, read_tensor,
 )
@@ -169,13 +170,6 @@ def locate_rank_tensors(ckpt_dir: str | os.PathLike, metadata: MCoreCheckpointMe
     return result
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    # DistributedDataParallel / Float16Module wrappers keep the GPTModel at ``.module``.
-    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
-        chunk = chunk.module
-    return chunk
-
-
 def _check_layout(model: torch.nn.Module, metadata: MCoreCheckpointMetadata, ckpt_dir: str) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -202,7 +196,7 @@ def load_mcore_checkpoint_into(model_chunks: torch.nn.Module | Iterable[torch.nn
     if len(chunks) != 1:
         raise NotImplementedError(f"got {len(chunks)} model chunks: virtual pipeline stages are not supported by "
                                   "the per-rank checkpoint format (convert with one chunk per stage)")
-    model = _unwrap(chunks[0])
+    model = unwrap_model(chunks[0])
     metadata = read_metadata(ckpt_dir)
     _check_layout(model, metadata, ckpt_dir)
     locations = locate_rank_tensors(ckpt_dir, metadata, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank)

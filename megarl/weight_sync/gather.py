@@ -19,6 +19,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.models.bridge import unwrap_model
+
 
 @dataclass(frozen=True)
 class _Entry:
@@ -31,14 +33,8 @@ class _Entry:
     hf_outputs: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (hf_name, shape, dtype) per output
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
-
-
 def _local_tensors(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    module = _unwrap(chunk)
+    module = unwrap_model(chunk)
     tensors = [(name, p) for name, p in module.named_parameters()]
     # The sigmoid router's load-balancing bias is a buffer but part of the model (DeepSeek-V3).
     tensors += [(name, b) for name, b in module.named_buffers() if name.endswith("expert_bias")]
@@ -48,7 +44,7 @@ def _local_tensors(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _layer_offset(chunk: torch.nn.Module, vp_stage: Optional[int]) -> int:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return get_transformer_layer_offset(_unwrap(chunk).config, vp_stage=vp_stage)
+    return get_transformer_layer_offset(unwrap_model(chunk).config, vp_stage=vp_stage)
 
 
 class _Groups:

@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.dist_harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,12 +97,6 @@ trainer:
   device: cpu
   worker_timeout_s: 300
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def processes_matching(markers: list[str]) -> list[int]:
