@@ -19,11 +19,15 @@ from megarl.config import MegarlConfig, load_config, save_config
 from megarl.trainer.loop import RLTrainer, needs_reference
 
 
-def resolve_device(cfg: MegarlConfig) -> str:
+def resolve_device(cfg: MegarlConfig, cluster_gpus: Optional[float] = None) -> str:
+    """The workers' device. ``cluster_gpus``: GPUs of an attached Ray cluster, whose driver (a head or login
+    node) may have none itself; otherwise the workers run on this machine and its CUDA decides."""
+    available = cluster_gpus > 0 if cluster_gpus is not None else torch.cuda.is_available()
     if cfg.trainer.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.device=cuda but this driver sees no CUDA device (use trainer.device=cpu)")
+        return "cuda" if available else "cpu"
+    if cfg.trainer.device == "cuda" and not available:
+        where = "the Ray cluster has no GPU" if cluster_gpus is not None else "this machine sees no CUDA device"
+        raise RuntimeError(f"trainer.device=cuda but {where} (use trainer.device=cpu)")
     return cfg.trainer.device
 
 
@@ -78,7 +82,6 @@ def run(cfg: MegarlConfig) -> list[dict]:
     from megarl.trainer.metrics import MetricsLogger
 
     t = cfg.trainer
-    device = resolve_device(cfg)
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
     train_loader, val_dataset = build_data(cfg, tokenizer)
@@ -99,10 +102,11 @@ def run(cfg: MegarlConfig) -> list[dict]:
         if t.backend == "inprocess":
             from megarl.controller.inprocess_group import InProcessWorkerGroup
 
+            device = resolve_device(cfg)
             if with_critic:
                 raise ValueError("trainer.backend=inprocess holds one worker; PPO with a critic needs the ray backend")
             actor = InProcessWorkerGroup(ActorRolloutRefWorker, device=device, init_kwargs=actor_kwargs,
-                                         env=worker_env_for(cfg), name_prefix="actor_rollout_ref")
+                                         env=worker_env_for(device), name_prefix="actor_rollout_ref")
             groups.append(actor)
             critic = None
         else:
@@ -113,9 +117,13 @@ def run(cfg: MegarlConfig) -> list[dict]:
             from megarl.controller.worker_group import WorkerGroup
 
             if not ray.is_initialized():
-                init_ray(t.ray_address, num_cpus=None if t.ray_address else max(4, t.n_gpus_per_node * 2),
-                         extra_env=worker_env_for(cfg))
+                if t.ray_address:  # attach first: the cluster's nodes, not this driver, hold the GPUs
+                    init_ray(t.ray_address, extra_env=worker_env_for(t.device))
+                else:
+                    init_ray(None, num_cpus=max(4, t.n_gpus_per_node * 2),
+                             extra_env=worker_env_for(resolve_device(cfg)))
                 started_ray = True
+            device = resolve_device(cfg, ray.cluster_resources().get("GPU", 0.0))
             separate = t.placement == "separate"
             per_process_cpus = 1.0 if device == "cuda" else 0.5
             train_nodes, rollout_nodes = split_nodes(cfg)
@@ -124,20 +132,20 @@ def run(cfg: MegarlConfig) -> list[dict]:
             share = 0.5 if with_critic else 1.0
             timeout = t.worker_timeout_s
             actor = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
-                                init_kwargs={**actor_kwargs, "separate_rollout": separate}, env=worker_env_for(cfg),
+                                init_kwargs={**actor_kwargs, "separate_rollout": separate}, env=worker_env_for(device),
                                 call_timeout_s=timeout, init_timeout_s=timeout)
             groups.append(actor)
             if separate:
                 rollout_pool = ResourcePool("rollout", rollout_nodes, device=device, cpus_per_process=per_process_cpus)
                 rollout_group = WorkerGroup(rollout_pool, RolloutWorker, name_prefix="rollout", init_kwargs=dict(cfg=cfg),
-                                            env=worker_env_for(cfg), call_timeout_s=timeout, init_timeout_s=timeout)
+                                            env=worker_env_for(device), call_timeout_s=timeout, init_timeout_s=timeout)
                 groups.append(rollout_group)
                 actor.call("attach_rollout_peers", rollout_group.actors)
                 actor.call("sync_weights")  # the rollout replicas start from exactly the trainer's weights
             critic = None
             if with_critic:
                 critic = WorkerGroup(pool, CriticWorker, name_prefix="critic", bundle_share=share,
-                                     init_kwargs=critic_kwargs, env=worker_env_for(cfg), call_timeout_s=timeout,
+                                     init_kwargs=critic_kwargs, env=worker_env_for(device), call_timeout_s=timeout,
                                      init_timeout_s=timeout)
                 groups.append(critic)
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,

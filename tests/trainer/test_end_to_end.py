@@ -134,3 +134,14 @@ def test_in_process_backend_cleans_up_after_a_failed_start(tmp_path):
     assert not dist.is_initialized()
     # The process can host the next run.
     assert len(_run(_config(tmp_path / "good", "trainer.backend=inprocess", "trainer.total_training_steps=1"))) == 1
+
+
+def test_device_follows_the_cluster_not_the_driver():
+    from megarl.trainer.main import resolve_device
+
+    # A GPU cluster attached from a driver without CUDA (a login/head node) still trains on cuda.
+    assert resolve_device(load_config(overrides=["trainer.device=cuda"]), cluster_gpus=16.0) == "cuda"
+    assert resolve_device(load_config(overrides=["trainer.device=auto"]), cluster_gpus=8.0) == "cuda"
+    assert resolve_device(load_config(overrides=["trainer.device=auto"]), cluster_gpus=0.0) == "cpu"
+    with pytest.raises(RuntimeError, match="the Ray cluster has no GPU"):
+        resolve_device(load_config(overrides=["trainer.device=cuda"]), cluster_gpus=0.0)
