@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn
+#   bash bench/run_device.sh smoke|full|attn|pack
 # (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
+# (pack: the CUDA packing tests, then packed token-budget training on RL-like lengths for $MODELS, default
+#  1.5b; FUSIONS=off,on also runs megatron's torch.compile'd SwiGLU/bias-dropout-add)
 # Expects PYTHONPATH to hold megatron-core and the repo, and $OUT to be the folder that comes back.
 # Writes $OUT/<mode>.log (everything) and one JSON per benchmark; a failing step is logged and the
 # others still run (rc of each step is printed in the summary at the end).
@@ -39,6 +41,15 @@ if [ "$MODE" = smoke ]; then
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=3 trainer.test_freq=100 trainer.save_freq=100 \
     trainer.default_local_dir=$GRPO_DIR
+elif [ "$MODE" = pack ]; then
+  [ "${SKIP_TESTS:-0}" = 1 ] || step packing_cuda_test timeout 200 python3 -m pytest tests/gpu/test_packing_cuda.py -q -s -p no:cacheprovider
+  for model in $(echo "${MODELS:-1.5b}" | tr , ' '); do
+    step "train_packed_$model" timeout "${TRAIN_TIMEOUT:-420}" python3 -m bench.train_throughput --models "$model" \
+      --prompt-len 1024 --response-len 3072 --rows 16 --group-size 8 --response-len-dist uniform \
+      --max-tokens-per-micro-batch "${BUDGETS:-32768,16384}" --fusions "${FUSIONS:-off,on}" \
+      --hf-attn sdpa --hf-micro-batch-size 1 --warmup 1 --iters 2 --profile \
+      --out "$OUT/train_packed_$model.json"
+  done
 elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
   step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \
@@ -59,5 +70,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-[ "$MODE" = attn ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || [ "$MODE" = pack ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

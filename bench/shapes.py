@@ -10,12 +10,20 @@ is the FLOP formula every benchmark here states:
                                                                                each 2*s*d, halved by the mask)
     training = 3 * forward                                                    (backward = 2 x forward)
 
+For rows of different real lengths (padded or packed batches) :func:`train_flops_for_lengths` counts the
+useful work only, sequence by sequence: ``L * train_flops_per_token(cfg, L)`` summed over the rows, i.e.
+
+    3 * (2 * matmul_params * sum(L) + 2 * layers * heads * head_dim * sum(L^2))
+
+so padding tokens, and attention across packed neighbours, count for nothing. For ``n`` rows of one
+length ``s`` it is ``train_flops_per_token(cfg, s) * n * s``.
+
 Left out: norms, RoPE, softmax and the loss (element-wise, a fraction of a percent at these sizes).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 _QWEN2_COMMON = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
                      max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -72,3 +80,18 @@ def train_flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
 
 def forward_flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
     return train_flops_per_token(cfg, seq_len) / 3.0
+
+
+def train_flops_for_lengths(cfg: dict[str, Any], lengths: Iterable[int]) -> float:
+    """Useful training FLOPs of one pass over sequences of these real lengths (module docstring)."""
+    _, _, layers, heads, _, head_dim, _ = _dims(cfg)
+    lengths = [int(n) for n in (lengths.tolist() if hasattr(lengths, "tolist") else lengths)]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
+    # Integers until the end: the sums are exact, so equal lengths reproduce the per-token formula.
+    forward = 2 * matmul_params(cfg) * sum(lengths) + 2 * layers * heads * head_dim * sum(n * n for n in lengths)
+    return 3.0 * forward
+
+
+def forward_flops_for_lengths(cfg: dict[str, Any], lengths: Iterable[int]) -> float:
+    return train_flops_for_lengths(cfg, lengths) / 3.0

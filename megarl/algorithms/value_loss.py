@@ -26,7 +26,11 @@ def compute_value_loss(
     valid = response_mask.bool()
     zeros = torch.zeros_like(values)
     values_v, old_v, returns_v = (torch.where(valid, t, zeros) for t in (values, old_values, returns))
-    clipped_values = old_v + torch.clamp(values_v - old_v, -cliprange_value, cliprange_value)
+    # Inside the trust region the clipped prediction *is* the prediction: old + (v - old) would differ from
+    # v by rounding and flip the clipfrac comparison at random.
+    inside = (values_v - old_v).abs() <= cliprange_value
+    clipped_values = torch.where(
+        inside, values_v, old_v + torch.clamp(values_v - old_v, -cliprange_value, cliprange_value))
     err_unclipped = (values_v - returns_v).square()
     err_clipped = (clipped_values - returns_v).square()
     loss_mat = 0.5 * torch.maximum(err_unclipped, err_clipped)

@@ -34,6 +34,8 @@ class ModelConfig:
     path: str = "embedded:tiny-qwen2"  # HF model dir, or embedded:<name>
     tokenizer_path: Optional[str] = None  # defaults to path
     layer_spec: str = "auto"  # auto | local | te
+    # Pack each micro-batch's real tokens into one stream (megatron thd) instead of padding rows to P + R.
+    use_sequence_packing: bool = False
 
 
 @dataclass
@@ -76,6 +78,8 @@ class MegatronConfig:
 class ActorConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size_per_gpu: int = 8  # responses per forward/backward
+    # With sequence packing: micro-batches by real tokens (prompt + response) instead of a row count.
+    ppo_max_token_len_per_gpu: Optional[int] = None
     ppo_epochs: int = 1
     policy_loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
     clip_ratio: float = 0.2
@@ -114,6 +118,7 @@ class RolloutConfig:
     free_cache_engine: bool = True  # sleep the engine between rollouts when colocated
     dtype: str = "float32"
     log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # token budget of the actor's log-prob pass
     weight_sync_bucket_mb: int = 512
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
 
@@ -121,6 +126,7 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16
+    log_prob_max_token_len_per_gpu: Optional[int] = None
     param_offload: bool = False
 
 
@@ -138,6 +144,8 @@ class CriticConfig:
     model_path: Optional[str] = None  # defaults to the actor's model
     ppo_mini_batch_size: int = 16
     ppo_micro_batch_size_per_gpu: int = 8
+    use_sequence_packing: Optional[bool] = None  # defaults to actor_rollout_ref.model.use_sequence_packing
+    ppo_max_token_len_per_gpu: Optional[int] = None  # token budget of value passes and updates
     ppo_epochs: int = 1
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"

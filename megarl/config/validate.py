@@ -73,7 +73,8 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int) -> int:
     return dp
 
 
-def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int, dp: int) -> None:
+def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int, dp: int,
+                   by_tokens: bool = False) -> None:
     _positive(mini, f"{prefix}.ppo_mini_batch_size")
     _positive(micro, f"{prefix}.ppo_micro_batch_size_per_gpu")
     if train_batch % mini:
@@ -86,11 +87,37 @@ def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int,
             f"{prefix}.ppo_mini_batch_size x actor_rollout_ref.rollout.n = {responses} responses cannot be "
             f"split over {dp} data-parallel ranks"
         )
-    if (responses // dp) % micro:
+    if not by_tokens and (responses // dp) % micro:
         raise ConfigError(
             f"{responses // dp} responses per data-parallel rank per mini-batch are not divisible by "
             f"{prefix}.ppo_micro_batch_size_per_gpu={micro}"
         )
+
+
+def _check_token_budgets(cfg: MegarlConfig) -> None:
+    """Token budgets need packing, and must hold the longest possible row (prompt + response)."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    budgets = [
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
+         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing"),
+        ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_max_token_len_per_gpu,
+         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing"),
+        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_max_token_len_per_gpu,
+         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing"),
+        ("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, critic.use_sequence_packing,
+         "critic.use_sequence_packing"),
+    ]
+    for key, budget, packing, packing_key in budgets:
+        if budget is None:
+            continue
+        if not packing:
+            raise ConfigError(f"{key}={budget} groups rows by tokens and needs {packing_key}=true")
+        if budget < longest:
+            raise ConfigError(
+                f"{key}={budget} is smaller than the longest possible row: data.max_prompt_length + "
+                f"data.max_response_length = {longest}"
+            )
 
 
 def critic_enabled(cfg: MegarlConfig) -> bool:
@@ -160,14 +187,18 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
                 f"trainer.placement=separate on {t.nnodes} nodes gives the rollout whole nodes: trainer.rollout_gpus="
                 f"{t.rollout_gpus} must be a multiple of trainer.n_gpus_per_node={t.n_gpus_per_node}"
             )
+    if cfg.critic.use_sequence_packing is None:
+        cfg.critic.use_sequence_packing = arr.model.use_sequence_packing
+    _check_token_budgets(cfg)
     n_train = training_world_size(cfg)
     dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train)
     _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                   data.train_batch_size, rollout.n, dp)
+                   data.train_batch_size, rollout.n, dp, by_tokens=actor.ppo_max_token_len_per_gpu is not None)
     if cfg.critic.enable:
         critic_dp = _check_megatron(cfg.critic.megatron, "critic.megatron", n_train)
         _check_batches("critic", cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,
-                       data.train_batch_size, rollout.n, critic_dp)
+                       data.train_batch_size, rollout.n, critic_dp,
+                       by_tokens=cfg.critic.ppo_max_token_len_per_gpu is not None)
     _positive(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
     rollout_procs = t.rollout_gpus if t.placement == "separate" else n_train
     if rollout_procs % rollout.tensor_model_parallel_size:

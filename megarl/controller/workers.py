@@ -24,6 +24,7 @@ from megarl.batch import TrainBatch
 from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
 from megarl.controller.worker_env import init_torch_distributed
+from megarl.engines.megatron.engine import MicroBatching
 from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
 from megarl.models.bridge import unwrap_model
 from megarl.weight_sync.transport import WeightTransport
@@ -146,6 +147,7 @@ class ActorRolloutRefWorker(_MegatronRole):
             lr_schedule=lr_schedule(arr.actor.optim, total_steps), ddp_config=ddp_config(arr.actor.megatron),
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu, temperature=arr.rollout.temperature or 1.0,
             vocab_size=self.bridge.dims.vocab_size,
+            micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.actor.ppo_max_token_len_per_gpu),
         )
         self._load_hf(self.actor)
         self.reference = None
@@ -155,6 +157,7 @@ class ActorRolloutRefWorker(_MegatronRole):
                 model_provider=self._provider(ref_config), config=ref_config,
                 micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
                 temperature=arr.rollout.temperature or 1.0, vocab_size=self.bridge.dims.vocab_size,
+                micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.ref.log_prob_max_token_len_per_gpu),
             )
             self._load_hf(self.reference)
         self.rollout_dtype = _DTYPES[arr.rollout.dtype]
@@ -242,8 +245,10 @@ class ActorRolloutRefWorker(_MegatronRole):
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
         self._enter_train_mode()
-        mbs = self.cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-        log_probs, entropy = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+        rollout = self.cfg.actor_rollout_ref.rollout
+        log_probs, entropy = self.actor.compute_log_probs(
+            batch, micro_batch_size=min(rollout.log_prob_micro_batch_size_per_gpu, len(batch)),
+            max_tokens=rollout.log_prob_max_token_len_per_gpu)
         # The driver's batches live on the CPU (it may have no GPU at all); never hand it device tensors.
         return LogProbs(log_probs.cpu(), entropy.cpu())
 
@@ -299,6 +304,7 @@ class CriticWorker(_MegatronRole):
             optimizer_config=megatron_optimizer_config(c.optim, c.megatron),
             lr_schedule=lr_schedule(c.optim, total_steps), ddp_config=ddp_config(c.megatron),
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+            micro_batching=MicroBatching(bool(c.use_sequence_packing), c.ppo_max_token_len_per_gpu),
         )
         self._load_critic_trunk()
 

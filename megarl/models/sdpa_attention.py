@@ -19,12 +19,18 @@ That changes nothing for real tokens (a real query always sees itself) and gives
 output that differs from the local spec's (it spreads them uniformly over all keys). Neither is used: the
 loss masks padding positions and no real query attends to a padding key.
 
-Left out: attention dropout > 0, packed sequences (``packed_seq_params``), attention bias, context
-parallelism, sliding windows, softmax offsets ("off-by-one"/"learnable" softmax); each raises.
+Packed sequences (megatron's ``thd`` format, ``packed_seq_params`` with ``cu_seqlens``; q/k/v arrive as
+``[t, heads, dim]``): block-diagonal causal attention. On CUDA in bf16/fp16 one call of PyTorch's
+variable-length flash kernel (``torch.nn.attention.varlen.varlen_attn``) covers all segments; elsewhere
+(CPU, fp32, a torch without it) each segment runs its own causal SDPA call.
+
+Left out: attention dropout > 0, attention bias, context parallelism, sliding windows, softmax offsets
+("off-by-one"/"learnable" softmax), padded ``cu_seqlens`` (``cu_seqlens_q_padded``); each raises.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from typing import Optional
@@ -57,6 +63,53 @@ def prepare_sdpa_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
         prepared = ~attention_mask | eye
     _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, prepared]
     return prepared
+
+
+def _varlen_flash():
+    """PyTorch's variable-length flash attention and the keywords this torch version takes, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN = _varlen_flash()
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float) -> torch.Tensor:
+    """Causal attention within each segment of packed ``[t, heads, d]`` q and ``[t, groups, d]`` k/v
+    (segment i is rows ``cu_seqlens[i]:cu_seqlens[i+1]``) -> ``[t, heads, d_v]``."""
+    heads, groups = q.shape[1], k.shape[1]
+    if _VARLEN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+        varlen_attn, keywords = _VARLEN
+        kwargs = {"scale": scale} if "scale" in keywords else {}
+        if "scale" not in keywords and not math.isclose(scale, q.shape[-1] ** -0.5):
+            kwargs = None  # this torch's kernel cannot take a custom scale
+        if kwargs is not None:
+            if "window_size" in keywords:
+                kwargs["window_size"] = (-1, 0)  # causal
+            else:
+                kwargs["is_causal"] = True
+            if heads != groups and "enable_gqa" in keywords:
+                kwargs["enable_gqa"] = True
+            elif heads != groups:
+                k = k.repeat_interleave(heads // groups, dim=1)
+                v = v.repeat_interleave(heads // groups, dim=1)
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+            return varlen_attn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
+    if heads != groups:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    bounds = cu_seqlens.tolist()
+    segments = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        # [len, h, d] -> [1, h, len, d]
+        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        segments.append(out[0].transpose(0, 1))
+    return torch.cat(segments)
 
 
 class SDPADotProductAttention(MegatronModule):
@@ -101,12 +154,12 @@ class SDPADotProductAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        """``[sq, b, np, hn]`` q, ``[sk, b, ng, hn]`` k/v (GQA: ng divides np) -> ``[sq, b, np * hv]``."""
-        if packed_seq_params is not None:
-            raise NotImplementedError("SDPADotProductAttention does not support packed sequences "
-                                      "(packed_seq_params); use the TE spec or core_attention='local'")
+        """``[sq, b, np, hn]`` q, ``[sk, b, ng, hn]`` k/v (GQA: ng divides np) -> ``[sq, b, np * hv]``;
+        packed (``thd``): ``[t, np, hn]`` q, ``[t, ng, hn]`` k/v -> ``[t, np * hv]``."""
         if attention_bias is not None:
             raise NotImplementedError("SDPADotProductAttention does not support attention_bias")
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, packed_seq_params)
         heads, groups = query.shape[2], key.shape[2]
         if heads % groups or value.shape[2] != groups:
             raise ValueError(f"query has {heads} heads, key {groups} and value {value.shape[2]} groups: "
@@ -128,3 +181,21 @@ class SDPADotProductAttention(MegatronModule):
                                                  is_causal=is_causal, scale=self.softmax_scale)
         # [b, h, sq, hv] -> [sq, b, h * hv]
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], -1)
+
+    def _packed_forward(self, query, key, value, packed_seq_params) -> torch.Tensor:
+        params = packed_seq_params
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"packed_seq_params.qkv_format {params.qkv_format!r}: only 'thd' is supported")
+        if params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None:
+            raise NotImplementedError("padded cu_seqlens (cu_seqlens_*_padded) are not supported; pad with a "
+                                      "segment of its own instead")
+        if params.cu_seqlens_kv is not None and params.cu_seqlens_kv is not params.cu_seqlens_q \
+                and not torch.equal(params.cu_seqlens_kv, params.cu_seqlens_q):
+            raise NotImplementedError("packed self-attention needs cu_seqlens_kv == cu_seqlens_q")
+        heads, groups = query.shape[1], key.shape[1]
+        if heads % groups or value.shape[1] != groups:
+            raise ValueError(f"query has {heads} heads, key {groups} and value {value.shape[1]} groups: "
+                             f"the heads must be a multiple of equal key/value groups")
+        context = packed_causal_attention(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
+                                          self.softmax_scale)
+        return context.reshape(context.shape[0], -1)

@@ -68,10 +68,15 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
         rollout_gpus=cfg.trainer.rollout_gpus,
     )
+    max_seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    micro_batch_size = arr.actor.ppo_micro_batch_size_per_gpu
+    if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
+        # a token budget holds this many longest-possible rows' worth of activations
+        micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
     training = TrainingSpec(
         global_batch_size=arr.actor.ppo_mini_batch_size * arr.rollout.n,
-        micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu,
-        max_seq_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        micro_batch_size=micro_batch_size,
+        max_seq_len=max_seq_len,
         use_reference=arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         use_critic=critic_enabled(cfg),
         param_bytes=_DTYPE_BYTES[m.params_dtype],

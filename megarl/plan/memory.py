@@ -90,7 +90,8 @@ class KernelSpec:
     @classmethod
     def megatron_local(cls, *, rmsnorm: Literal["fused", "composite"] = "composite") -> "KernelSpec":
         """megarl's engine on the local spec: materialized DotProductAttention, unfused SwiGLU (the bridge
-        turns the fusions off), torch RMSNorm (composite on CPU), explicit masks from split_micro_batches."""
+        turns the fusions off), torch RMSNorm (composite on CPU), explicit masks of padded micro-batches
+        (:func:`megarl.engines.megatron.packing.pad_rows`)."""
         return cls(attention="materialized", fused_swiglu=False, rmsnorm=rmsnorm, explicit_attention_mask=True)
 
     def __post_init__(self):

@@ -91,6 +91,17 @@ def test_value_loss_clipping_by_hand():
     torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.5, 0.0]]))
 
 
+def test_value_clipfrac_counts_no_rounding_ties_inside_the_clip_range():
+    # old + (v - old) != v in floating point for these: the clipped branch must still count as inactive
+    values = torch.tensor([[0.1, 0.7, 1e-8, 0.3]])
+    old = torch.tensor([[0.3, 0.2, 0.4, 0.1]])
+    assert not torch.equal(old + (values - old), values)
+    returns = torch.tensor([[5.0, -5.0, 3.0, 0.2]])
+    _, metrics = compute_value_loss(values=values, old_values=old, returns=returns,
+                                    response_mask=torch.ones_like(values), cliprange_value=0.5)
+    assert metrics["vf_clipfrac"] == 0.0
+
+
 def test_entropy_and_bonus():
     logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]]])
     ent = entropy_from_logits(logits)

@@ -47,6 +47,14 @@ def test_overrides_are_typed(tmp_path):
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", r"not divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"),
     ("trainer.experiment_name=${trainer.nope}", r"interpolation \$\{trainer.nope\} refers to an unknown key"),
     ("nokey", r"not of the form a.b.c=value"),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+     r"actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096 groups rows by tokens and needs "
+     r"actor_rollout_ref.model.use_sequence_packing=true"),
+    ("actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=39",
+     r"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=39 is smaller than the longest possible row: "
+     r"data.max_prompt_length \+ data.max_response_length = 40"),
+    ("critic.ppo_max_token_len_per_gpu=100", r"critic.ppo_max_token_len_per_gpu=100 groups rows by tokens and needs "
+                                             r"critic.use_sequence_packing=true"),
 ])
 def test_bad_settings_name_the_key(override, message):
     overrides = override.split(" ")
@@ -54,6 +62,13 @@ def test_bad_settings_name_the_key(override, message):
         message = r"algorithm.adv_estimator=gae needs a critic, but critic.enable=false"
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=overrides)
+
+
+def test_token_budgets_replace_the_micro_batch_divisibility_check():
+    cfg = load_config(overrides=["actor_rollout_ref.model.use_sequence_packing=true",
+                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"])
+    assert cfg.critic.use_sequence_packing is True  # follows the actor's model unless set
 
 
 def test_tensor_parallel_must_divide_world():

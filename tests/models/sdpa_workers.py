@@ -33,7 +33,7 @@ def compare_core_attentions(rank: int, layouts: list, hf_dirs: dict, device_name
         torch.backends.cudnn.allow_tf32 = False
     from megatron.core import parallel_state as mpu
 
-    from megarl.engines.megatron.engine import build_attention_mask
+    from megarl.engines.megatron.packing import build_attention_mask
     from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
     from megarl.models.bridge import ModelBridge
@@ -81,8 +81,10 @@ def compare_core_attentions(rank: int, layouts: list, hf_dirs: dict, device_name
                 if core == "sdpa":
                     attention = next(m for m in model.modules() if isinstance(m, SDPADotProductAttention))
                     q = torch.zeros(4, 1, attention.num_attention_heads_per_partition, 8, device=device)
-                    try:
-                        attention(q, q, q, None, packed_seq_params=object())
+                    from megatron.core.packed_seq_params import PackedSeqParams
+
+                    try:  # packing is thd only: another format must be refused, not misread
+                        attention(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
                         entry["packed_error"] = None
                     except NotImplementedError as exc:
                         entry["packed_error"] = str(exc)

@@ -66,7 +66,7 @@ def _assert_same(local, sdpa, what, *, logits_atol=1e-5, grad_atol=1e-5, grad_rt
         assert grad.abs().max() > 0 or "expert" in name or "router" in name, f"{name}: zero gradient"
         torch.testing.assert_close(sdpa["grads"][name], grad, atol=grad_atol, rtol=grad_rtol,
                                    msg=lambda m: f"{what} grad {name}: {m}")
-    assert "packed_seq_params" in sdpa["packed_error"]
+    assert "packed_seq_params.qkv_format 'sbhd'" in sdpa["packed_error"]
 
 
 @pytest.mark.timeout(360)

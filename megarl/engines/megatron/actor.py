@@ -8,8 +8,9 @@ copy: same model, no DDP, no optimizer, ``compute_log_probs`` only.
 Where results live: log-probs/entropy are computed on the last pipeline stage (every TP rank there holds
 the same values after the vocab-parallel all-reduces) and broadcast over the pipeline group, so every rank
 of a DP replica returns the full ``[B_local, R]`` tensors for its own DP shard. Update metrics are reduced
-over DP and identical on all ranks. Leaves out: rollout-vs-train importance correction (TIS) and dynamic
-batch sizes.
+over DP and identical on all ranks. Micro-batches are padded rows or packed streams, by row count or token
+budget (:class:`~megarl.engines.megatron.engine.MicroBatching`). Leaves out: rollout-vs-train importance
+correction (TIS).
 """
 
 from __future__ import annotations
@@ -22,19 +23,21 @@ from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
 from megarl.batch import TrainBatch, select_rows
 from megarl.engines.megatron.engine import (
     MegatronEngine,
+    MicroBatching,
     average_metrics,
     check_mini_batches,
     response_log_probs,
-    split_micro_batches,
 )
+from megarl.engines.megatron.packing import restore_row_order
 
 
 class _LogProbMixin:
-    def compute_log_probs(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None):
+    def compute_log_probs(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None,
+                          max_tokens: Optional[int] = None):
         """``(log_probs [B, R], entropy [B, R])`` fp32 for this DP shard, on every rank of the replica.
-        Padding positions hold whatever the model gives; mask them with ``response_mask``."""
-        mbs = micro_batch_size or self.micro_batch_size
-        micro_batches = split_micro_batches(batch, mbs, fields=())
+        Padding positions hold whatever the model gives (zeros when packed); mask them with
+        ``response_mask``. ``micro_batch_size`` / ``max_tokens`` override the engine's micro-batching."""
+        micro_batches = self.make_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
 
         def loss(mb, output):
             log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
@@ -42,8 +45,8 @@ class _LogProbMixin:
 
         reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
         shape = tuple(batch.response_ids.shape)
-        log_probs = torch.cat([r["log_probs"] for r in reported]) if reported else None
-        entropy = torch.cat([r["entropy"] for r in reported]) if reported else None
+        log_probs = restore_row_order([r["log_probs"] for r in reported], micro_batches) if reported else None
+        entropy = restore_row_order([r["entropy"] for r in reported], micro_batches) if reported else None
         return self.broadcast_from_last_stage(log_probs, shape), self.broadcast_from_last_stage(entropy, shape)
 
 
@@ -51,9 +54,10 @@ class ReferenceEngine(_LogProbMixin, MegatronEngine):
     """Frozen policy copy for KL: ``ReferenceEngine(model_provider=..., config=..., micro_batch_size=...)``."""
 
     def __init__(self, *, model_provider, config, micro_batch_size: int = 1, temperature: float = 1.0,
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, micro_batching: MicroBatching = MicroBatching()):
         super().__init__(model_provider=model_provider, config=config, optimizer_config=None,
-                         micro_batch_size=micro_batch_size, temperature=temperature, vocab_size=vocab_size)
+                         micro_batch_size=micro_batch_size, temperature=temperature, vocab_size=vocab_size,
+                         micro_batching=micro_batching)
 
 
 class ActorEngine(_LogProbMixin, MegatronEngine):
@@ -90,7 +94,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         policy_loss = get_policy_loss(policy_loss_name)
         rows = len(batch)
         mini_batch_size = mini_batch_size or rows
-        num_mini = check_mini_batches(rows, mini_batch_size, self.micro_batch_size)
+        num_mini = check_mini_batches(rows, mini_batch_size, self.fixed_micro_batch_size)
         norm_length = norm_length or batch.response_ids.shape[1]
         fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss else ())
 
@@ -129,7 +133,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                     return total, reported
 
                 self.zero_grad()
-                micro_batches = split_micro_batches(mini, self.micro_batch_size, fields)
+                micro_batches = self.make_micro_batches(mini, fields)
                 reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
                 metrics = self.reduce_step_metrics(reported, names)
                 metrics.update(self.optimizer_step())

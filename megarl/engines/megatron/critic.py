@@ -21,7 +21,8 @@ import torch
 
 from megarl.algorithms import compute_value_loss
 from megarl.batch import TrainBatch, select_rows
-from megarl.engines.megatron.engine import MegatronEngine, average_metrics, check_mini_batches, split_micro_batches
+from megarl.engines.megatron.engine import MegatronEngine, average_metrics, check_mini_batches
+from megarl.engines.megatron.packing import response_positions_of, restore_row_order, scatter_to_rows
 
 _HEAD_SEED = 20240601
 
@@ -64,18 +65,18 @@ class CriticEngine(MegatronEngine):
 
     @staticmethod
     def _response_values(output: torch.Tensor, mb: dict) -> torch.Tensor:
-        start = mb["prompt_len"] - 1
-        return output[:, start:-1, 0].float()
+        return scatter_to_rows(response_positions_of(output, mb)[..., 0].float(), mb)
 
-    def compute_values(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None) -> torch.Tensor:
+    def compute_values(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None,
+                       max_tokens: Optional[int] = None) -> torch.Tensor:
         """Values ``[B, R]`` (fp32) for this DP shard, on every rank of the replica."""
-        micro_batches = split_micro_batches(batch, micro_batch_size or self.micro_batch_size, fields=())
+        micro_batches = self.make_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
 
         def loss(mb, output):
             return output.new_zeros(()), {"values": self._response_values(output, mb).detach()}
 
         reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
-        values = torch.cat([r["values"] for r in reported]) if reported else None
+        values = restore_row_order([r["values"] for r in reported], micro_batches) if reported else None
         return self.broadcast_from_last_stage(values, tuple(batch.response_ids.shape))
 
     def update_critic(
@@ -89,7 +90,7 @@ class CriticEngine(MegatronEngine):
                 raise ValueError(f"update_critic: batch.{name} is required")
         rows = len(batch)
         mini_batch_size = mini_batch_size or rows
-        num_mini = check_mini_batches(rows, mini_batch_size, self.micro_batch_size)
+        num_mini = check_mini_batches(rows, mini_batch_size, self.fixed_micro_batch_size)
         norm_length = norm_length or batch.response_ids.shape[1]
         names = ["vf_loss", "vf_clipfrac_wsum", "vpred_mean_wsum"]
         steps = []
@@ -113,7 +114,7 @@ class CriticEngine(MegatronEngine):
                     }
 
                 self.zero_grad()
-                micro_batches = split_micro_batches(mini, self.micro_batch_size, ("values", "returns"))
+                micro_batches = self.make_micro_batches(mini, ("values", "returns"))
                 reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
                 metrics = self.reduce_step_metrics(reported, names)
                 metrics.update(self.optimizer_step())

@@ -7,8 +7,9 @@
 * ``get_megatron_optimizer`` (Adam/SGD, fp32 or bf16 with fp32 main params, distributed optimizer,
   weight decay, gradient clipping, all from a megatron ``OptimizerConfig``) and an
   ``OptimizerParamScheduler`` (warmup, constant/linear/cosine decay, min lr) from ``LRScheduleConfig``;
-* :meth:`MegatronEngine.run_micro_batches`: a ``TrainBatch`` shard split into equal micro-batches and
-  driven by ``get_forward_backward_func()`` with megatron's ``forward_step_func(data_iterator, model) ->
+* :meth:`MegatronEngine.make_micro_batches`: a ``TrainBatch`` shard as micro-batches, padded rows or
+  packed ``thd`` streams (optionally grouped by a token budget, :class:`MicroBatching`);
+* :meth:`MegatronEngine.run_micro_batches`: those micro-batches driven by ``get_forward_backward_func()`` with megatron's ``forward_step_func(data_iterator, model) ->
   (output, loss_func)`` contract, for any PP/VPP (with VPP the micro-batch count must suit megatron's
   interleaved grouping, by default a multiple of PP; checked up front). Only the last pipeline stage
   computes a loss, from its vocab-sharded logits; what the loss reports is broadcast to every rank of the
@@ -21,8 +22,8 @@ DP; both are undone (the loss fed to backward is multiplied by ``num_microbatche
 accumulated gradient is exactly the gradient of the full-batch loss.
 
 Batches: each DP rank receives its own shard (the controller splits by ``dp_rank``); all TP/PP ranks of
-one replica receive the same shard. Leaves out: context parallelism (cp must be 1), sequence packing and
-token-budget micro-batching (micro-batches are fixed-size rows padded to the batch's P + R).
+one replica receive the same shard; with a token budget the number of micro-batches may differ between DP
+ranks (gradients are reduced once, after the last one). Leaves out: context parallelism (cp must be 1).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ import torch.distributed as dist
 from megarl.batch import TrainBatch
 from megarl.engines.megatron.cpu_compat import cuda_tensors_on_cpu
 from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
+from megarl.engines.megatron.packing import (
+    pack_rows,
+    packed_length,
+    pad_rows,
+    plan_fixed_rows,
+    plan_token_budget,
+    row_token_counts,
+    scatter_to_rows,
+)
 from megarl.engines.megatron.parallel import current_rank_info, device_for_this_process
 
 ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
@@ -124,51 +134,40 @@ def build_lr_scheduler(optimizer, optimizer_config, schedule: LRScheduleConfig):
     )
 
 
-def split_micro_batches(batch: TrainBatch, micro_batch_size: int, fields: Iterable[str]) -> list[dict]:
-    """Equal-size micro-batches of model inputs plus the named per-token fields (missing ones are None)."""
-    rows = len(batch)
-    if rows == 0 or rows % micro_batch_size:
-        raise ValueError(f"batch of {rows} rows is not a positive multiple of micro_batch_size={micro_batch_size}")
-    device = device_for_this_process()
-    input_ids, attention_mask, position_ids = batch.input_ids, batch.attention_mask, batch.position_ids
-    prompt_len = batch.prompt_ids.shape[1]
-    extra = {name: getattr(batch, name) for name in fields}
-    micro_batches = []
-    for start in range(0, rows, micro_batch_size):
-        sl = slice(start, start + micro_batch_size)
-        mb = {
-            "input_ids": input_ids[sl].to(device),
-            "position_ids": position_ids[sl].to(device),
-            "attention_mask": build_attention_mask(attention_mask[sl]).to(device),
-            "response_ids": batch.response_ids[sl].to(device),
-            "response_mask": batch.response_mask[sl].to(device).float(),
-            "prompt_len": prompt_len,
-        }
-        for name, value in extra.items():
-            mb[name] = None if value is None else value[sl].to(device).float()
-        micro_batches.append(mb)
-    return micro_batches
-
-
-def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Megatron's boolean mask ``[B, 1, S, S]`` (True = masked): causal, and padding keys masked out."""
-    seq = attention_mask.shape[1]
-    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), diagonal=1)
-    pad_keys = ~attention_mask.bool()[:, None, None, :]
-    return causal[None, None] | pad_keys
-
-
 def response_log_probs(output: torch.Tensor, mb: dict, temperature: float,
                        vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy ``[b, R]`` of the response tokens from vocab-sharded logits ``[b, S, V/tp]``."""
+    """Log-probs and entropy ``[b, R]`` of the response tokens from vocab-sharded logits (either layout)."""
     from megatron.core import parallel_state as mpu
 
-    start = mb["prompt_len"] - 1  # the logit at position t predicts token t + 1
-    logits = output[:, start:-1, :]
-    return compute_vocab_parallel_log_probs(
-        logits, mb["response_ids"], tp_group=mpu.get_tensor_model_parallel_group(), temperature=temperature,
-        vocab_size=vocab_size,
-    )
+    tp_group = mpu.get_tensor_model_parallel_group()
+    if mb.get("packed_seq_params") is None:
+        start = mb["prompt_len"] - 1  # the logit at position t predicts token t + 1
+        return compute_vocab_parallel_log_probs(output[:, start:-1, :], mb["response_ids"], tp_group=tp_group,
+                                                temperature=temperature, vocab_size=vocab_size)
+    # Packed: score every next token of the stream and keep the response ones. Selecting the response
+    # logits first would copy them (and index_add a second logits-sized buffer in backward).
+    stream = mb["input_ids"][0]
+    log_probs, entropy = compute_vocab_parallel_log_probs(output[0, :-1], stream[1:], tp_group=tp_group,
+                                                          temperature=temperature, vocab_size=vocab_size)
+    index = mb["response_index"]
+    return scatter_to_rows(log_probs[index], mb), scatter_to_rows(entropy[index], mb)
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a batch becomes micro-batches (see :mod:`megarl.engines.megatron.packing`).
+
+    ``sequence_packing``: rows' real tokens packed into one ``thd`` stream per micro-batch instead of rows
+    padded to P + R. ``max_tokens_per_micro_batch``: group rows by a real-token budget (needs packing)
+    instead of a fixed row count."""
+
+    sequence_packing: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_tokens_per_micro_batch is not None and not self.sequence_packing:
+            raise ValueError("max_tokens_per_micro_batch needs sequence_packing=True (padded micro-batches "
+                             "cost P + R tokens per row whatever the budget says)")
 
 
 class MegatronEngine:
@@ -190,6 +189,7 @@ class MegatronEngine:
         temperature: float = 1.0,
         chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None,
         vocab_size: Optional[int] = None,
+        micro_batching: MicroBatching = MicroBatching(),
     ):
         from megatron.core import parallel_state as mpu
 
@@ -199,6 +199,7 @@ class MegatronEngine:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.config = config
         self.micro_batch_size = micro_batch_size
+        self.micro_batching = micro_batching
         self.temperature = temperature
         self.vocab_size = vocab_size  # unpadded; None when the model has no vocabulary padding
         self.trainable = optimizer_config is not None
@@ -242,6 +243,40 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ fwd/bwd
 
+    @property
+    def fixed_micro_batch_size(self) -> Optional[int]:
+        """Rows per training micro-batch, or None when a token budget decides."""
+        packing = self.micro_batching
+        return None if packing.sequence_packing and packing.max_tokens_per_micro_batch else self.micro_batch_size
+
+    def make_micro_batches(self, batch: TrainBatch, fields: Iterable[str] = (), *,
+                           micro_batch_size: Optional[int] = None,
+                           max_tokens: Optional[int] = None) -> list[dict]:
+        """This rank's micro-batches of ``batch`` in the engine's layout; the per-token ``fields`` ride along.
+
+        Rows are grouped by ``max_tokens`` real tokens (default: the engine's budget) when packing with a
+        budget, else ``micro_batch_size`` (default: the engine's) consecutive rows. Packed streams are
+        padded to a multiple of TP (sequence parallelism splits them) and, with pipeline stages, to the
+        longest stream of the step (one activation shape per step)."""
+        from megatron.core import parallel_state as mpu
+
+        device = device_for_this_process()
+        fields = tuple(fields)
+        packing = self.micro_batching
+        budget = max_tokens or packing.max_tokens_per_micro_batch
+        pp = mpu.get_pipeline_model_parallel_world_size()
+        if packing.sequence_packing and budget is not None:
+            # the interleaved schedule wants whole groups of micro-batches
+            multiple = (self.config.microbatch_group_size_per_vp_stage or pp) if len(self.model) > 1 else 1
+            plan = plan_token_budget(row_token_counts(batch), budget, multiple_of=multiple)
+        else:
+            plan = plan_fixed_rows(len(batch), micro_batch_size or self.micro_batch_size)
+        if not packing.sequence_packing:
+            return [pad_rows(batch, rows, fields, device) for rows in plan]
+        multiple = mpu.get_tensor_model_parallel_world_size()
+        pad_to = max(packed_length(batch, rows, multiple) for rows in plan) if pp > 1 else None
+        return [pack_rows(batch, rows, fields, device, pad_to=pad_to, multiple_of=multiple) for rows in plan]
+
     def run_micro_batches(
         self, micro_batches: list[dict], *, loss: MicroBatchLoss, forward_only: bool,
     ) -> list[dict[str, torch.Tensor]]:
@@ -263,12 +298,16 @@ class MegatronEngine:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                           attention_mask=mb["attention_mask"])
+                           attention_mask=mb["attention_mask"], packed_seq_params=mb.get("packed_seq_params"))
             return output, partial(loss_func, mb)
 
         seq_length = micro_batches[0]["input_ids"].shape[1]
         if self.config.sequence_parallel and seq_length % mpu.get_tensor_model_parallel_world_size():
             raise ValueError(f"sequence_parallel needs P + R ({seq_length}) divisible by tensor_parallel")
+        if (mpu.get_pipeline_model_parallel_world_size() > 1
+                and len({mb["input_ids"].shape for mb in micro_batches}) > 1):
+            raise ValueError("pipeline stages exchange one activation shape per step: every micro-batch "
+                             "must have the same input shape")
         iterators = [iter(micro_batches) for _ in self.model]
         for chunk in self.model:
             chunk.train(not forward_only)
@@ -368,10 +407,11 @@ def average_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
 
-def check_mini_batches(rows: int, mini_batch_size: int, micro_batch_size: int) -> int:
-    """Number of mini-batches (optimizer steps per epoch); sizes are local to this DP rank."""
+def check_mini_batches(rows: int, mini_batch_size: int, micro_batch_size: Optional[int]) -> int:
+    """Number of mini-batches (optimizer steps per epoch); sizes are local to this DP rank.
+    ``micro_batch_size`` None: micro-batches by token budget, any mini-batch size goes."""
     if mini_batch_size < 1 or rows % mini_batch_size:
         raise ValueError(f"mini_batch_size={mini_batch_size} must divide the {rows} local rows")
-    if mini_batch_size % micro_batch_size:
+    if micro_batch_size is not None and mini_batch_size % micro_batch_size:
         raise ValueError(f"micro_batch_size={micro_batch_size} must divide mini_batch_size={mini_batch_size}")
     return math.ceil(rows / mini_batch_size)

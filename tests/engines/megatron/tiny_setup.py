@@ -22,17 +22,23 @@ def tiny_config(*, tp: int = 1, pp: int = 1, vpp=None, num_layers: int = 2):
     )
 
 
-def gpt_provider(config, *, seed: int = 11, tie: bool = False):
+def gpt_provider(config, *, seed: int = 11, tie: bool = False, sdpa: bool = False):
     """A model_provider re-seeding before each chunk. With use_cpu_initialization the TP shards are slices of
     the same master weights, so TP=1 and TP=2 hold identical models; PP stages re-seed per chunk and so do
-    NOT match PP=1 (those tests load a checkpoint instead)."""
+    NOT match PP=1 (those tests load a checkpoint instead). ``sdpa``: megarl's SDPA core attention (needed
+    for packed sequences) instead of megatron's local one."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     def provide(pre_process, post_process, vp_stage):
         torch.manual_seed(seed)
+        spec = get_gpt_layer_local_spec()
+        if sdpa:
+            from megarl.models.sdpa_attention import SDPADotProductAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
         return GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+            config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
             max_sequence_length=64, position_embedding_type="rope", pre_process=pre_process,
             post_process=post_process, share_embeddings_and_output_weights=tie, vp_stage=vp_stage,
         )

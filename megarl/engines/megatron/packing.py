@@ -1,0 +1,199 @@
+"""Micro-batches for the megatron engines: which rows go together, and how they are laid out.
+
+Two layouts, one contract (every micro-batch dict carries ``response_ids`` / ``response_mask`` and the
+per-token fields as ``[b, R]`` tensors, so losses and aggregation never see the layout):
+
+* **padded** (:func:`pad_rows`): ``[b, P + R]`` rows exactly as the batch holds them, with megatron's
+  boolean ``[b, 1, S, S]`` mask. Every row costs ``P + R`` tokens whatever its real length.
+* **packed** (:func:`pack_rows`): the real tokens of all rows concatenated into one ``[1, T]`` stream
+  (megatron's ``thd`` format: ``PackedSeqParams`` with ``cu_seqlens``), positions restarting at 0 for each
+  row, no padding inside. The core attention keeps the rows apart (block-diagonal causal); RoPE restarts
+  per row. A padding segment at the end rounds ``T`` up (sequence parallelism needs ``T`` divisible by TP,
+  pipeline stages need one ``T`` for all micro-batches of a step).
+
+Which rows form a micro-batch: a fixed number of consecutive rows (:func:`plan_fixed_rows`), or, with a
+token budget, balanced bins whose real-token totals stay within it (:func:`plan_token_budget`): few
+micro-batches of similar cost however skewed the response lengths are. The per-row results are put back
+in the batch's row order by :func:`restore_row_order`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from megarl.batch import TrainBatch
+
+
+def plan_fixed_rows(num_rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive groups of ``micro_batch_size`` rows (the batch must divide evenly)."""
+    if num_rows == 0 or num_rows % micro_batch_size:
+        raise ValueError(f"batch of {num_rows} rows is not a positive multiple of "
+                         f"micro_batch_size={micro_batch_size}")
+    return [list(range(start, start + micro_batch_size)) for start in range(0, num_rows, micro_batch_size)]
+
+
+def plan_token_budget(lengths: Sequence[int], max_tokens: int, *, multiple_of: int = 1) -> list[list[int]]:
+    """Rows grouped into the fewest bins (a multiple of ``multiple_of``) whose token totals are each at most
+    ``max_tokens``, balanced by longest-first assignment to the lightest bin. Rows keep their order inside
+    a bin; bins are ordered by their first row, so the plan depends on the lengths only."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
+    if not lengths:
+        raise ValueError("cannot plan micro-batches for an empty batch")
+    for row, length in enumerate(lengths):
+        if length > max_tokens:
+            raise ValueError(f"row {row} has {length} tokens (prompt + response), more than "
+                             f"max_tokens_per_micro_batch={max_tokens}: raise the budget to at least "
+                             f"data.max_prompt_length + data.max_response_length")
+    count = max(1, math.ceil(sum(lengths) / max_tokens))
+    count = min(_round_up(count, multiple_of), max(len(lengths), multiple_of))
+    while True:
+        bins = _longest_first(lengths, count)
+        if max(sum(lengths[r] for r in b) for b in bins) <= max_tokens or count >= len(lengths):
+            break
+        count += multiple_of
+    return sorted((sorted(b) for b in bins if b), key=lambda b: b[0])
+
+
+def _longest_first(lengths: Sequence[int], count: int) -> list[list[int]]:
+    heap = [(0, index) for index in range(count)]  # (tokens so far, bin)
+    bins: list[list[int]] = [[] for _ in range(count)]
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        load, index = heapq.heappop(heap)
+        bins[index].append(row)
+        heapq.heappush(heap, (load + lengths[row], index))
+    return bins
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def row_token_counts(batch: TrainBatch) -> list[int]:
+    """Real tokens (prompt + response) per row."""
+    return batch.attention_mask.sum(dim=1).tolist()
+
+
+def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean mask ``[B, 1, S, S]`` (True = masked): causal, and padding keys masked out."""
+    seq = attention_mask.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=attention_mask.device), diagonal=1)
+    pad_keys = ~attention_mask.bool()[:, None, None, :]
+    return causal[None, None] | pad_keys
+
+
+def _per_token_fields(batch: TrainBatch, rows: torch.Tensor, fields: Iterable[str], device) -> dict:
+    out = {}
+    for name in fields:
+        value = getattr(batch, name)
+        out[name] = None if value is None else value[rows].to(device).float()
+    return out
+
+
+def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device) -> dict:
+    """The padded layout of ``rows`` (see the module docstring)."""
+    index = torch.as_tensor(rows, dtype=torch.long)
+    mb = {
+        "rows": rows,
+        "input_ids": batch.input_ids[index].to(device),
+        "position_ids": batch.position_ids[index].to(device),
+        "attention_mask": build_attention_mask(batch.attention_mask[index]).to(device),
+        "response_ids": batch.response_ids[index].to(device),
+        "response_mask": batch.response_mask[index].to(device).float(),
+        "prompt_len": batch.prompt_ids.shape[1],
+    }
+    mb.update(_per_token_fields(batch, index, fields, device))
+    return mb
+
+
+def packed_length(batch: TrainBatch, rows: list[int], multiple_of: int = 1) -> int:
+    """``T`` of :func:`pack_rows` for these rows, before any common ``pad_to``."""
+    return _round_up(int(batch.attention_mask[torch.as_tensor(rows)].sum()), multiple_of)
+
+
+def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device, *,
+              pad_to: Optional[int] = None, multiple_of: int = 1) -> dict:
+    """The packed (``thd``) layout of ``rows``; ``T`` is ``pad_to`` if given, else the real token count
+    rounded up to ``multiple_of``. Adds ``packed_seq_params`` and ``response_index`` (the stream position
+    of the logit that predicts each real response token, in row-major order of ``response_mask``)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    index = torch.as_tensor(rows, dtype=torch.long)
+    real = batch.attention_mask[index].bool()
+    lengths = real.sum(dim=1)
+    total = int(lengths.sum())
+    length = pad_to if pad_to is not None else _round_up(total, multiple_of)
+    if length < total:
+        raise ValueError(f"pad_to={pad_to} is shorter than the {total} real tokens of the micro-batch")
+    tokens = batch.input_ids[index][real]
+    positions = batch.position_ids[index][real]
+    seq_lens = lengths.tolist()
+    padding = length - total
+    if padding:  # its own segment, so no real token attends to it
+        tokens = torch.cat([tokens, tokens.new_zeros(padding)])
+        positions = torch.cat([positions, torch.arange(padding, dtype=positions.dtype)])
+        seq_lens.append(padding)
+    cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.as_tensor(seq_lens, dtype=torch.int32).cumsum(0)
+
+    response_mask = batch.response_mask[index]
+    prompt_real = batch.prompt_mask[index].sum(dim=1)
+    if bool((prompt_real == 0).any()):
+        raise ValueError("a row has an empty prompt: its first response token has no logit to come from")
+    # logit predicting response token j of row i sits at cu_seqlens[i] + prompt_len_i - 1 + j
+    offsets = cu_seqlens[:-1][: len(rows)].long() + prompt_real - 1
+    grid = offsets[:, None] + torch.arange(response_mask.shape[1])[None, :]
+    response_index = grid[response_mask.bool()]
+
+    max_len = max(seq_lens)
+    mb = {
+        "rows": rows,
+        "input_ids": tokens[None].to(device),
+        "position_ids": positions[None].to(device),
+        "attention_mask": None,
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu_seqlens.to(device), cu_seqlens_kv=cu_seqlens.to(device),
+            max_seqlen_q=max_len, max_seqlen_kv=max_len,
+        ),
+        "response_index": response_index.to(device),
+        "response_ids": batch.response_ids[index].to(device),
+        "response_mask": response_mask.to(device).float(),
+        "prompt_len": batch.prompt_ids.shape[1],
+    }
+    mb.update(_per_token_fields(batch, index, fields, device))
+    return mb
+
+
+def response_positions_of(output: torch.Tensor, mb: dict) -> torch.Tensor:
+    """The last-stage output at the positions that predict the response tokens.
+
+    Padded: ``[b, R, ...]`` (every slot, padding included). Packed: ``[N, ...]`` for the N real response
+    tokens only; :func:`scatter_to_rows` turns per-token results back into ``[b, R]``."""
+    if mb.get("packed_seq_params") is not None:
+        return output[0].index_select(0, mb["response_index"])
+    start = mb["prompt_len"] - 1  # the output at position t predicts token t + 1
+    return output[:, start:-1]
+
+
+def scatter_to_rows(values: torch.Tensor, mb: dict) -> torch.Tensor:
+    """Per-token values of :func:`response_positions_of` as ``[b, R]`` (zeros at padding when packed);
+    differentiable."""
+    if mb.get("packed_seq_params") is None:
+        return values
+    mask = mb["response_mask"].bool()
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+
+def restore_row_order(per_micro_batch: list[torch.Tensor], micro_batches: list[dict]) -> torch.Tensor:
+    """Concatenate per-micro-batch ``[b, ...]`` results and put the rows back in batch order."""
+    order = [row for mb in micro_batches for row in mb["rows"]]
+    stacked = torch.cat(per_micro_batch)
+    if order == sorted(order):
+        return stacked
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.as_tensor(order)] = torch.arange(len(order))
+    return stacked[inverse.to(stacked.device)]
