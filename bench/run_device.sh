@@ -42,6 +42,8 @@ if [ "$MODE" = smoke ]; then
     trainer.device=cuda trainer.total_training_steps=3 trainer.test_freq=100 trainer.save_freq=100 \
     trainer.default_local_dir=$GRPO_DIR
 elif [ "$MODE" = pack ]; then
+  [ "${LOGPROB:-0}" = 1 ] && step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 \
+    --out "$OUT/logprob_pack.json"
   [ "${SKIP_TESTS:-0}" = 1 ] || step packing_cuda_test timeout 200 python3 -m pytest tests/gpu/test_packing_cuda.py -q -s -p no:cacheprovider
   for model in $(echo "${MODELS:-1.5b}" | tr , ' '); do
     step "train_packed_$model" timeout "${TRAIN_TIMEOUT:-420}" python3 -m bench.train_throughput --models "$model" \

@@ -22,6 +22,8 @@ Leaves out: context/sequence-parallel splitting of the sequence dimension (logit
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Optional
 
 import torch
@@ -96,12 +98,68 @@ def _row_chunks(rows: int, cols: int):
     return range(0, rows, step), step
 
 
-def _chunk_log_softmax(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 log-softmax of one chunk; bf16/fp16 logits at T = 1 are read directly (no fp32 copy first)."""
+def _chunk_forward(logits: torch.Tensor, target: torch.Tensor, temperature: float):
+    """One chunk's fp32 ``(log p(target), entropy, log-sum-exp of z)``; bf16/fp16 logits at T = 1 are read
+    directly (no fp32 copy first)."""
     if temperature != 1.0:
         # copy=True: .float() of fp32 logits is the caller's tensor itself, and div_ would change it.
-        return torch.log_softmax(chunk.to(torch.float32, copy=True).div_(temperature), dim=-1)
-    return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
+        z = logits.to(torch.float32, copy=True).div_(temperature)
+        log_p = torch.log_softmax(z, dim=-1)
+    else:
+        z = logits
+        log_p = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    index = target.unsqueeze(-1)
+    log_probs = log_p.gather(-1, index).squeeze(-1)
+    log_norm = z.gather(-1, index).squeeze(-1).float() - log_probs
+    # H = -sum p log p; exp(-inf) * -inf cannot occur: log_softmax of finite logits is finite.
+    entropy = -torch.linalg.vecdot(log_p.exp(), log_p)
+    return log_probs, entropy, log_norm
+
+
+def _chunk_backward(logits, target, log_norm, entropy, grad_log_probs, grad_entropy, temperature: float):
+    """d(loss)/d(logits) of one chunk, in the logits' dtype; absent output grads come as zeros.
+    d/dz_j = -p_j * (g_lp + g_H * (log p_j + H)) + 1[j = t] * g_lp, divided by T for the logits."""
+    log_p = logits.to(torch.float32, copy=True)  # modified in place below
+    if temperature != 1.0:
+        log_p.div_(temperature)
+    log_p.sub_(log_norm.unsqueeze(-1))
+    probs = log_p.exp()
+    coef = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(grad_log_probs.unsqueeze(-1))
+    grad = probs.mul_(coef).neg_()
+    grad.scatter_add_(-1, target.unsqueeze(-1), grad_log_probs.unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad.to(logits.dtype)
+
+
+# On CUDA the chunk functions run torch.compile'd: Inductor fuses each into a few kernels that read the bf16
+# logits once or twice, instead of ~10 eager passes over fp32 temporaries (the log-prob step was ~12% of a
+# 1.5B packed actor update on an H200). MEGARL_COMPILE_LOGPROB=0 turns it off; a compile failure falls back
+# to eager (with a warning) for the rest of the process.
+_compiled: dict = {}
+
+
+def _chunk_kernels(device: torch.device):
+    if device.type != "cuda" or os.environ.get("MEGARL_COMPILE_LOGPROB", "1") == "0" or _compiled.get("failed"):
+        return _chunk_forward, _chunk_backward
+    if "forward" not in _compiled:
+        _compiled["forward"] = torch.compile(_chunk_forward, dynamic=True)
+        _compiled["backward"] = torch.compile(_chunk_backward, dynamic=True)
+    return _compiled["forward"], _compiled["backward"]
+
+
+def _run_chunk(kind: str, device: torch.device, *args):
+    forward, backward = _chunk_kernels(device)
+    fn = forward if kind == "forward" else backward
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager function is still correct
+        if fn in (_chunk_forward, _chunk_backward):
+            raise
+        warnings.warn(f"torch.compile of the log-prob kernels failed ({type(exc).__name__}: {exc}); "
+                      f"using eager kernels", RuntimeWarning)
+        _compiled["failed"] = True
+        return (_chunk_forward if kind == "forward" else _chunk_backward)(*args)
 
 
 class _FullVocabLogProbEntropy(torch.autograd.Function):
@@ -116,13 +174,8 @@ class _FullVocabLogProbEntropy(torch.autograd.Function):
         starts, step = _row_chunks(rows, cols)
         for start in starts:
             sl = slice(start, start + step)
-            log_p = _chunk_log_softmax(logits[sl], temperature)
-            index = target[sl].unsqueeze(-1)
-            log_probs[sl] = log_p.gather(-1, index).squeeze(-1)
-            target_z = logits[sl].gather(-1, index).squeeze(-1).float() / temperature
-            log_norm[sl] = target_z - log_probs[sl]
-            # H = -sum p log p; exp(-inf) * -inf cannot occur: log_softmax of finite logits is finite.
-            entropy[sl] = -torch.linalg.vecdot(log_p.exp(), log_p)
+            log_probs[sl], entropy[sl], log_norm[sl] = _run_chunk("forward", logits.device, logits[sl], target[sl],
+                                                                 temperature)
         ctx.save_for_backward(logits, target, log_norm, entropy)
         ctx.set_materialize_grads(False)
         ctx.temperature = temperature
@@ -131,30 +184,15 @@ class _FullVocabLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         logits, target, log_norm, entropy = ctx.saved_tensors
-        temperature = ctx.temperature
+        zeros = torch.zeros_like(log_norm)
+        grad_log_probs = zeros if grad_log_probs is None else grad_log_probs
+        grad_entropy = zeros if grad_entropy is None else grad_entropy
         grad = torch.empty_like(logits)
         starts, step = _row_chunks(*logits.shape)
         for start in starts:
             sl = slice(start, start + step)
-            log_p = logits[sl].to(torch.float32, copy=True)  # modified in place below
-            if temperature != 1.0:
-                log_p.div_(temperature)
-            log_p.sub_(log_norm[sl].unsqueeze(-1))
-            probs = log_p.exp()
-            # d/dz_j = -p_j * (g_lp + g_H * (log p_j + H)) + 1[j = t] * g_lp
-            if grad_entropy is not None:
-                coef = log_p.add_(entropy[sl].unsqueeze(-1)).mul_(grad_entropy[sl].unsqueeze(-1))
-                if grad_log_probs is not None:
-                    coef.add_(grad_log_probs[sl].unsqueeze(-1))
-                chunk_grad = probs.mul_(coef).neg_()
-            else:
-                del log_p
-                chunk_grad = probs.mul_(grad_log_probs[sl].unsqueeze(-1)).neg_()
-            if grad_log_probs is not None:
-                chunk_grad.scatter_add_(-1, target[sl].unsqueeze(-1), grad_log_probs[sl].unsqueeze(-1))
-            if temperature != 1.0:
-                chunk_grad.div_(temperature)
-            grad[sl] = chunk_grad
+            grad[sl] = _run_chunk("backward", logits.device, logits[sl], target[sl], log_norm[sl], entropy[sl],
+                                  grad_log_probs[sl], grad_entropy[sl], ctx.temperature)
         return grad, None, None
 
 

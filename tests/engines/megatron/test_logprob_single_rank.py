@@ -59,3 +59,42 @@ def test_fp32_logits_are_not_modified_in_place():
     log_probs, entropy = compute_vocab_parallel_log_probs(logits, torch.arange(4), temperature=0.5)
     (log_probs.sum() + entropy.sum()).backward()
     assert torch.equal(logits.detach(), before)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype, temperature", [(torch.bfloat16, 1.0), (torch.float32, 0.7)])
+def test_compiled_chunk_kernels_equal_eager(dtype, temperature):
+    """What CUDA runs (the torch.compile'd chunk functions) against the eager ones, compiled here for CPU."""
+    from megarl.engines.megatron import logprob
+
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(48, 700, generator=g)).to(dtype)
+    target = torch.randint(0, 700, (48,), generator=g)
+    forward = torch.compile(logprob._chunk_forward, dynamic=True)
+    backward = torch.compile(logprob._chunk_backward, dynamic=True)
+    eager_out = logprob._chunk_forward(logits, target, temperature)
+    for got, want in zip(forward(logits, target, temperature), eager_out):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    _, entropy, log_norm = eager_out
+    g_lp, g_h = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    torch.testing.assert_close(backward(logits, target, log_norm, entropy, g_lp, g_h, temperature).float(),
+                               logprob._chunk_backward(logits, target, log_norm, entropy, g_lp, g_h,
+                                                       temperature).float(), rtol=1e-2, atol=1e-4)
+
+
+def test_a_failing_compiled_kernel_falls_back_to_eager_with_a_warning(monkeypatch):
+    from megarl.engines.megatron import logprob
+
+    def broken(*args):
+        raise RuntimeError("inductor exploded")
+
+    monkeypatch.setattr(logprob, "_compiled", {})
+    monkeypatch.setattr(logprob, "_chunk_kernels", lambda device: (broken, broken)
+                        if not logprob._compiled.get("failed") else (logprob._chunk_forward, logprob._chunk_backward))
+    logits = torch.randn(6, 11, requires_grad=True)
+    target = torch.randint(0, 11, (6,))
+    with pytest.warns(RuntimeWarning, match="inductor exploded"):
+        log_probs, _ = compute_vocab_parallel_log_probs(logits, target)
+    torch.testing.assert_close(log_probs, torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1))
+    log_probs.sum().backward()  # the backward takes the eager kernel straight away now
+    assert logprob._compiled["failed"] and logits.grad is not None
