@@ -95,10 +95,17 @@ def peak_memory_gib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
 
+def allocator_retries(device: torch.device) -> int:
+    """cudaMalloc retries since the last reset: each one frees cached blocks and synchronises the device
+    (a sign of fragmentation near the memory limit, e.g. from micro-batches of varying size)."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack
+#   bash bench/run_device.sh smoke|full|attn|pack|validate
 # (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
 # (pack: the CUDA packing tests, then packed token-budget training on RL-like lengths for $MODELS, default
 #  1.5b; FUSIONS=off,on also runs megatron's torch.compile'd SwiGLU/bias-dropout-add)
@@ -47,11 +47,19 @@ elif [ "$MODE" = pack ]; then
   [ "${SKIP_TESTS:-0}" = 1 ] || step packing_cuda_test timeout 200 python3 -m pytest tests/gpu/test_packing_cuda.py -q -s -p no:cacheprovider
   for model in $(echo "${MODELS:-1.5b}" | tr , ' '); do
     step "train_packed_$model" timeout "${TRAIN_TIMEOUT:-420}" python3 -m bench.train_throughput --models "$model" \
-      --prompt-len 1024 --response-len 3072 --rows 16 --group-size 8 --response-len-dist uniform \
+      --prompt-len 1024 --response-len 3072 --rows "${ROWS:-16}" --group-size 8 --response-len-dist uniform \
       --max-tokens-per-micro-batch "${BUDGETS:-32768,16384}" --fusions "${FUSIONS:-off,on}" \
       --hf-attn sdpa --hf-micro-batch-size 1 --warmup 1 --iters 2 --profile \
       --out "$OUT/train_packed_$model.json"
   done
+elif [ "$MODE" = validate ]; then  # the CUDA tests with the engine defaults, and a packed GRPO run
+  step gpu_tests timeout 300 python3 -m pytest tests/gpu tests/engines/megatron/test_cuda_redirect_and_offload_gpu.py \
+    tests/models/test_sdpa_attention.py -k "cuda or gpu or parity or packing or offload" -q -s -p no:cacheprovider
+  step grpo_packed timeout 200 python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
+    trainer.device=cuda trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=100 \
+    actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512 \
+    actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024 trainer.progress_bar=false \
+    trainer.default_local_dir=$GRPO_DIR
 elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
   step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \

@@ -63,7 +63,7 @@ from typing import Optional
 import torch
 
 from bench.measure import (
-    H200_SPEC_BF16_DENSE_TFLOPS, bring_up_single_rank, environment, measure_matmul_tflops, peak_memory_gib,
+    H200_SPEC_BF16_DENSE_TFLOPS, allocator_retries, bring_up_single_rank, environment, measure_matmul_tflops, peak_memory_gib,
     pick_device, reset_peak_memory, summarize, time_region, write_json,
 )
 from bench.shapes import (
@@ -109,13 +109,13 @@ def row_lengths(batch) -> list[int]:
     return batch.attention_mask.sum(dim=1).tolist()
 
 
-# megatron's own fused elementwise kernels that need neither TE nor apex (torch.compile'd via jit_fuser):
-# SwiGLU (bias_swiglu_impl, also without a bias) and the residual bias-dropout-add.
-FUSIONS = {"off": {}, "on": {"bias_activation_fusion": True, "bias_dropout_fusion": True}}
+# ModelBridge.transformer_config(fused_kernels=...): megatron's torch.compile'd SwiGLU and bias-dropout-add
+# (the engine's default on CUDA).
+FUSIONS = {"off": False, "on": True}
 
 
 def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: float, core_attention: str = "sdpa",
-                max_tokens_per_micro_batch: Optional[int] = None, fusions: str = "off"):
+                max_tokens_per_micro_batch: Optional[int] = None, fusions: str = "on"):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -125,7 +125,7 @@ def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: 
     from megarl.models.bridge import ModelBridge
 
     bridge = ModelBridge.from_hf_config(hf_cfg, spec="local", core_attention=core_attention)
-    config = bridge.transformer_config(layout=ParallelLayout(), params_dtype=dtype, **FUSIONS[fusions])
+    config = bridge.transformer_config(layout=ParallelLayout(), params_dtype=dtype, fused_kernels=FUSIONS[fusions])
 
     def provider(pre_process, post_process, vp_stage=None):
         return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
@@ -157,7 +157,7 @@ def layout_stats(computed_tokens: list[int], real_tokens: list[int]) -> dict:
 
 
 def bench_megatron(hf_cfg, batch, args, device, matmul_tflops, core_attention: str = "sdpa",
-                   max_tokens: Optional[int] = PADDED, fusions: str = "off") -> dict:
+                   max_tokens: Optional[int] = PADDED, fusions: str = "on") -> dict:
     reset_peak_memory(device)
     actor = build_actor(hf_cfg, dtype=_DTYPES[args.dtype], micro_batch_size=args.micro_batch_size, lr=1e-6,
                         core_attention=core_attention, max_tokens_per_micro_batch=max_tokens, fusions=fusions)
@@ -193,6 +193,7 @@ def bench_megatron(hf_cfg, batch, args, device, matmul_tflops, core_attention: s
         "update_policy": {**summarize(upd), **rates(tokens, statistics.median(upd),
                                                     train_flops_for_lengths(hf_cfg, lengths), matmul_tflops)},
         "peak_memory_gib": peak_memory_gib(device),
+        "allocator_retries": allocator_retries(device),
         "last_metrics": {k: float(v) for k, v in metrics.items()},
     }
     del actor
@@ -533,9 +534,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--core-attention", default="sdpa",
                         help="megatron core attentions to run, comma-separated (sdpa, local); the first is "
                              "'megatron' in the JSON, the others 'megatron_<name>'")
-    parser.add_argument("--fusions", default="off",
-                        help="megatron fused-kernel variants to run, comma-separated (off, on: torch.compile'd "
-                             "SwiGLU and bias-dropout-add); the first is the plain key, others '_fusions_<v>'")
+    parser.add_argument("--fusions", default=None,
+                        help="megatron fused-kernel variants to run, comma-separated (on: torch.compile'd SwiGLU "
+                             "and bias-dropout-add, the engine's CUDA default; off); the first is the plain key, "
+                             "others '_fusions_<v>'. Default: on with CUDA, off on CPU")
     parser.add_argument("--profile", action="store_true", help="profile one extra megatron update (GPU only)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="JSON file for the results")
@@ -544,6 +546,8 @@ def main(argv=None) -> dict:
     budgets = parse_budgets(args.max_tokens_per_micro_batch)
     packed_budgets = [b for b in budgets if b is not PADDED]
     cores = [c for c in args.core_attention.split(",") if c]
+    if args.fusions is None:
+        args.fusions = "on" if pick_device(args.device).type == "cuda" else "off"
     fusion_variants = [f for f in args.fusions.split(",") if f]
     if not fusion_variants or any(f not in FUSIONS for f in fusion_variants):
         raise SystemExit(f"--fusions takes a comma list of {sorted(FUSIONS)}, got {args.fusions!r}")

@@ -289,3 +289,17 @@ def test_deepseek_mtp_layers_are_skipped(caplog):
     assert bridge.mcore_name_for_hf("model.layers.3.mlp.experts.0.up_proj.weight") is None
     assert not bridge.is_skipped_hf_name("model.layers.2.mlp.gate.weight")
     assert not any(n.startswith("decoder.layers.3.") for n in bridge.iter_global_mcore_names())
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_fused_kernels_follow_cuda_and_every_architecture_accepts_them(arch):
+    """What a GPU worker builds (megatron's fused SwiGLU + bias-dropout-add) must pass megatron's own config
+    checks for every architecture; on this GPU-less machine the default leaves them off."""
+    from megarl.engines.megatron.parallel import ParallelLayout
+
+    bridge = ModelBridge.from_hf_config(tiny_hf_config(arch), spec="local")
+    fused = bridge.transformer_config(layout=ParallelLayout(), fused_kernels=True)
+    assert fused.bias_activation_fusion and fused.bias_dropout_fusion
+    default = bridge.transformer_config(layout=ParallelLayout())
+    assert default.bias_activation_fusion is torch.cuda.is_available()
+    assert not default.apply_rope_fusion and not default.masked_softmax_fusion  # need TE/apex
