@@ -77,31 +77,36 @@ def _varlen_flash():
 _VARLEN = _varlen_flash()
 
 
+def _varlen_kwargs(q: torch.Tensor, groups: int, scale: float) -> Optional[dict]:
+    """Keywords for a causal ``varlen_attn`` call on ``q`` in this torch version, or None where the flash
+    kernel cannot serve it (CPU, fp32, head dim > 256, a custom scale the kernel does not take)."""
+    if _VARLEN is None or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] > 256:
+        return None
+    keywords = _VARLEN[1]
+    if "scale" in keywords:
+        kwargs = {"scale": scale}
+    elif math.isclose(scale, q.shape[-1] ** -0.5):
+        kwargs = {}
+    else:
+        return None
+    kwargs.update({"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True})
+    if q.shape[1] != groups and "enable_gqa" in keywords:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, scale: float) -> torch.Tensor:
     """Causal attention within each segment of packed ``[t, heads, d]`` q and ``[t, groups, d]`` k/v
     (segment i is rows ``cu_seqlens[i]:cu_seqlens[i+1]``) -> ``[t, heads, d_v]``."""
     heads, groups = q.shape[1], k.shape[1]
-    if _VARLEN is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
-        varlen_attn, keywords = _VARLEN
-        kwargs = {"scale": scale} if "scale" in keywords else {}
-        if "scale" not in keywords and not math.isclose(scale, q.shape[-1] ** -0.5):
-            kwargs = None  # this torch's kernel cannot take a custom scale
-        if kwargs is not None:
-            if "window_size" in keywords:
-                kwargs["window_size"] = (-1, 0)  # causal
-            else:
-                kwargs["is_causal"] = True
-            if heads != groups and "enable_gqa" in keywords:
-                kwargs["enable_gqa"] = True
-            elif heads != groups:
-                k = k.repeat_interleave(heads // groups, dim=1)
-                v = v.repeat_interleave(heads // groups, dim=1)
-            cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-            return varlen_attn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
-    if heads != groups:
+    kwargs = _varlen_kwargs(q, groups, scale)
+    if heads != groups and not (kwargs or {}).get("enable_gqa"):
         k = k.repeat_interleave(heads // groups, dim=1)
         v = v.repeat_interleave(heads // groups, dim=1)
+    if kwargs is not None:
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        return _VARLEN[0](q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
     bounds = cu_seqlens.tolist()
     segments = []
     for start, end in zip(bounds[:-1], bounds[1:]):

@@ -131,7 +131,11 @@ def test_script_end_to_end_on_cpu_uniform_padded_packed_and_hf_packed(tmp_path):
            "--response-len-dist", "uniform", "--max-tokens-per-micro-batch", "padded,192,384",
            "--hf-attn", "sdpa", "--hf-micro-batch-size", "1,2", "--hf-packed",
            "--warmup", "1", "--iters", "2", "--out", str(out)]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
+    # A torch.distributed world left in this process's environment (e.g. by an in-process trainer test) must
+    # not leak into the script's own one-rank world.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONWARNINGS="ignore", OMP_NUM_THREADS="2")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "megatron/this" in proc.stdout  # the console table

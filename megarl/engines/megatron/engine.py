@@ -9,9 +9,10 @@
   ``OptimizerParamScheduler`` (warmup, constant/linear/cosine decay, min lr) from ``LRScheduleConfig``;
 * :meth:`MegatronEngine.make_micro_batches`: a ``TrainBatch`` shard as micro-batches, padded rows or
   packed ``thd`` streams (optionally grouped by a token budget, :class:`MicroBatching`);
-* :meth:`MegatronEngine.run_micro_batches`: those micro-batches driven by ``get_forward_backward_func()`` with megatron's ``forward_step_func(data_iterator, model) ->
-  (output, loss_func)`` contract, for any PP/VPP (with VPP the micro-batch count must suit megatron's
-  interleaved grouping, by default a multiple of PP; checked up front). Only the last pipeline stage
+* :meth:`MegatronEngine.run_micro_batches`: those micro-batches driven by ``get_forward_backward_func()``
+  with megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)`` contract, for any
+  PP/VPP (with VPP the micro-batch count must suit megatron's interleaved grouping, by default a multiple
+  of PP; checked up front). Only the last pipeline stage
   computes a loss, from its vocab-sharded logits; what the loss reports is broadcast to every rank of the
   model-parallel replica.
 

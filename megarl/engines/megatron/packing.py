@@ -150,13 +150,14 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
     response_index = grid[response_mask.bool()]
 
     max_len = max(seq_lens)
+    cu_seqlens = cu_seqlens.to(device)  # one tensor for q and kv: attention can tell they agree by identity
     mb = {
         "rows": rows,
         "input_ids": tokens[None].to(device),
         "position_ids": positions[None].to(device),
         "attention_mask": None,
         "packed_seq_params": PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu_seqlens.to(device), cu_seqlens_kv=cu_seqlens.to(device),
+            qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
             max_seqlen_q=max_len, max_seqlen_kv=max_len,
         ),
         "response_index": response_index.to(device),
