@@ -200,6 +200,11 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
                        data.train_batch_size, rollout.n, critic_dp,
                        by_tokens=cfg.critic.ppo_max_token_len_per_gpu is not None)
     _positive(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
+    if rollout.tensor_model_parallel_size > 1 and (rollout.name != "vllm" or t.placement != "colocate"):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} needs "
+            f"actor_rollout_ref.rollout.name=vllm and trainer.placement=colocate (got {rollout.name!r}, "
+            f"{t.placement!r}): the HF engine and separate rollout workers serve a whole replica per rank")
     rollout_procs = t.rollout_gpus if t.placement == "separate" else n_train
     if rollout_procs % rollout.tensor_model_parallel_size:
         raise ConfigError(

@@ -23,6 +23,7 @@ import torch
 from megarl.batch import TrainBatch
 from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
+from megarl.controller.rollout_replicas import RolloutReplica, form_rollout_replicas, generate_in_replica
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.engine import MicroBatching
 from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
@@ -168,7 +169,9 @@ class ActorRolloutRefWorker(_MegatronRole):
         self._reference_offloaded = None
         self._rollout_asleep = False
         if not separate_rollout:
-            self.rollout = build_rollout_engine_for(cfg, self.model_path, seed_offset=self.rank_info.rank)
+            check_rollout_tensor_parallel(cfg, colocated=True)
+            self.rollout_replica = form_rollout_replicas(arr.rollout.tensor_model_parallel_size)
+            self.rollout = build_rollout_engine_for(cfg, self.model_path, seed_offset=self.rollout_replica.index)
             self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
 
     # ---------------------------------------------------------------- rollout
@@ -177,7 +180,7 @@ class ActorRolloutRefWorker(_MegatronRole):
         if self.rollout is None:
             raise RuntimeError("trainer.placement=separate: generation runs on the RolloutWorker group")
         self._enter_rollout_mode()
-        return generate_on_rank(self.rollout, prompt_token_ids, sampling, rank=self.rank_info.rank)
+        return generate_in_replica(self.rollout, prompt_token_ids, sampling, self.rollout_replica)
 
     # ---------------------------------------------------------------- sharing the device (hybrid engine)
     def _enter_rollout_mode(self) -> None:
@@ -340,27 +343,31 @@ class CriticWorker(_MegatronRole):
         return load_checkpoint(self.critic, root)
 
 
-def generate_on_rank(engine, prompt_token_ids: list[list[int]], sampling, *, rank: int):
-    """Generate this rank's share; a seeded request gets a distinct, reproducible stream per rank."""
-    from dataclasses import replace
+def check_rollout_tensor_parallel(cfg: MegarlConfig, *, colocated: bool) -> None:
+    """Rollout replicas spanning several ranks exist for vLLM inside the colocated actor group only."""
+    rollout = cfg.actor_rollout_ref.rollout
+    tp = rollout.tensor_model_parallel_size
+    if tp > 1 and (rollout.name != "vllm" or not colocated):
+        raise NotImplementedError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: rollout replicas spanning several ranks "
+            f"need actor_rollout_ref.rollout.name=vllm and trainer.placement=colocate (got name={rollout.name!r}, "
+            f"placement={'colocate' if colocated else 'separate'})")
 
-    if not prompt_token_ids:
-        return []
-    if sampling.seed is not None:
-        sampling = replace(sampling, seed=sampling.seed * 7919 + rank)
-    return engine.generate(prompt_token_ids, sampling)
 
-
-def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int):
+def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int, colocated: bool = True):
+    """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
+    replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`)."""
     from megarl.engines.rollout.base import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.tensor_model_parallel_size > 1:
-        raise NotImplementedError(
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: rollout "
-            "engines spanning several ranks are not wired into the workers yet; each rank serves a whole replica "
-            "(set it to 1)")
+    tp = rollout.tensor_model_parallel_size
+    check_rollout_tensor_parallel(cfg, colocated=colocated)
     engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
+    if tp > 1:
+        # vLLM joins this process's torch.distributed world and shards over `tp` consecutive ranks; its
+        # external launcher needs the engine in this process (deterministic, identical on the replica's ranks).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        engine_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
     if rollout.name == "vllm":
         engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                              enforce_eager=rollout.enforce_eager,
@@ -403,11 +410,12 @@ class RolloutWorker:
         if self.context.device == "cuda":
             torch.cuda.set_device(self.context.local_device_index)
         self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
-                                               seed_offset=self.context.rank)
+                                               seed_offset=self.context.rank, colocated=False)
+        self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
     def generate(self, prompt_token_ids: list[list[int]], sampling):
-        return generate_on_rank(self.engine, prompt_token_ids, sampling, rank=self.context.rank)
+        return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica)
 
     def load_weight_bucket(self, bucket) -> None:
         self.engine.update_weights(bucket)

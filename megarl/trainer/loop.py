@@ -143,6 +143,7 @@ class RLTrainer:
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_tokens=self.cfg.data.max_response_length, stop=tuple(r.stop),
             seed=self.cfg.trainer.seed * 1_000_003 + step,  # per step, so a resumed run samples the same
+            logprobs=True,  # the sampled tokens' log-probs: checked against the trainer's (rollout/log_prob_diff_*)
         )
 
     def val_sampling(self) -> SamplingConfig:
@@ -300,6 +301,11 @@ def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[tor
         metrics["critic/values/mean"] = float(masked_mean(batch.values, mask))
     if batch.ref_log_probs is not None:
         metrics["actor/ref_kl"] = float(masked_mean(batch.old_log_probs - batch.ref_log_probs, mask))
+    if batch.rollout_log_probs is not None and batch.old_log_probs is not None:
+        # rollout engine vs trainer on the same tokens: weight sync and numerics in one number
+        gap = (batch.rollout_log_probs - batch.old_log_probs).abs()
+        metrics["rollout/log_prob_diff_mean"] = float(masked_mean(gap, mask))
+        metrics["rollout/log_prob_diff_max"] = float(gap[mask.bool()].max())
     return {k: v for k, v in metrics.items() if not math.isnan(v)}
 
 

@@ -143,6 +143,27 @@ def test_sequence_packing_with_token_budgets_trains_like_padded_rows(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_rollout_with_tensor_parallel_replicas_follows_the_trainer(tmp_path):
+    """Real vLLM (CPU build) inside the actor workers, one rollout replica sharded over both ranks
+    (external launcher), megatron TP=2 on the same ranks: after every weight sync the rollout engine's
+    log-probs of what it sampled equal the trainer's recomputation."""
+    pytest.importorskip("vllm")
+    history = _run(_config(
+        tmp_path, "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.kv_cache_memory_mb=64", "actor_rollout_ref.rollout.free_cache_engine=false"))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    print("rollout vs trainer log-prob diff (max):", [h["rollout/log_prob_diff_max"] for h in history])
+    assert history[-1]["actor/ppo_kl"] != 0  # the policy moved, so the later syncs carried new weights
+    for h in history:
+        # fp32 on both sides; a stale or mis-sharded weight would show up as O(0.1-1) differences
+        assert h["rollout/log_prob_diff_max"] < 1e-3, (h["step"], h["rollout/log_prob_diff_max"])
+    assert history[-1]["actor/grad_norm"] > 0 and history[-1]["weight_sync/bytes"] > 1e6
+
+
 def test_in_process_backend_cleans_up_after_a_failed_start(tmp_path):
     import torch.distributed as dist
 

@@ -47,6 +47,42 @@ def read_checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _unique_cpu_shm_names() -> None:
+    """vLLM's CPU tensor-parallel communicator names its shared-memory segments after the init method's
+    port, which the external launcher's ``env://`` does not have: every run would use the same
+    ``/dev/shm`` names and fail (EEXIST, seen here) beside a segment a killed run left behind, or beside a
+    second run on the same host. Prefix them with this run's MASTER_PORT (the same on all ranks, fresh per
+    run)."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    if getattr(shm, "_megarl_unique", False):
+        return
+    make_group_name = shm.make_group_name
+
+    def unique_group_name(communicator) -> str:
+        # env:// makes vLLM's own prefix "//", harmless only while leading (shm_open strips it)
+        return f"megarl{os.environ.get('MASTER_PORT', '')}{make_group_name(communicator).lstrip('/')}"
+
+    shm.make_group_name = staticmethod(unique_group_name)
+    shm._megarl_unique = True
+
+
+def _unlink_cpu_shm_names() -> None:
+    """Remove this run's segment names from /dev/shm once every rank has mapped its segments (the memory
+    stays until the engines exit): Ray ends workers without running destructors, which would leave them."""
+    import glob
+
+    import torch.distributed as dist
+
+    dist.barrier()  # every rank's engine is up, so every segment has been joined
+    for path in glob.glob(f"/dev/shm/megarl{os.environ.get('MASTER_PORT', '')}-*cpushm*"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # another rank of this node was first
+            pass
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """`vllm.LLM` behind the `RolloutEngine` interface."""
 
@@ -88,6 +124,8 @@ class VLLMRolloutEngine(RolloutEngine):
             raise NotImplementedError("VLLMRolloutEngine: enable_sleep_mode is not supported by vLLM on CPU")
         if kv_cache_memory_bytes is not None:
             llm_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if self._on_cpu and tensor_parallel_size > 1:
+            _unique_cpu_shm_names()
         self._sleep_enabled = enable_sleep_mode
         self.llm = LLM(
             model=model_path,
@@ -103,6 +141,8 @@ class VLLMRolloutEngine(RolloutEngine):
             logprobs_mode="processed_logprobs",
             **llm_kwargs,
         )
+        if self._on_cpu and tensor_parallel_size > 1:
+            _unlink_cpu_shm_names()
         self._update_open = False
         self._session_names: set[str] = set()
         self._asleep = False

@@ -1,0 +1,71 @@
+"""Rollout replicas that span several ranks (rollout tensor parallelism inside the colocated worker group).
+
+With ``actor_rollout_ref.rollout.tensor_model_parallel_size = T > 1`` every T consecutive ranks of the actor
+worker group form one rollout replica: each rank runs one vLLM engine started with
+``distributed_executor_backend="external_launcher"``, which joins the already-initialised torch.distributed
+world and shards the model over those T ranks (vLLM groups consecutive ranks into TP groups, like here).
+vLLM then needs every rank of a replica to submit the *same* requests, and gives each of them the same
+outputs.
+
+The driver keeps dispatching one share of prompts per rank (so the trainer does not know about replicas):
+:func:`generate_in_replica` gathers the shares of the replica's ranks, generates them together with one
+seed per replica, and hands each rank back the outputs for its own share, re-indexed to it.
+Weight sync needs nothing special: every rank hands its engine full HF tensors and vLLM's weight loaders
+keep each rank's shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RolloutReplica:
+    """This rank's rollout replica: ``index`` among ``world // size`` replicas, ``group`` its ranks (gloo)."""
+
+    index: int
+    size: int
+    group: Optional[dist.ProcessGroup]
+
+
+def form_rollout_replicas(tensor_parallel_size: int) -> RolloutReplica:
+    """Collective over the whole world (every rank calls it, in the same order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % tensor_parallel_size:
+        raise ValueError(f"rollout tensor_model_parallel_size={tensor_parallel_size} must divide the {world} ranks")
+    if tensor_parallel_size == 1:
+        return RolloutReplica(index=rank, size=1, group=None)
+    mine = None
+    for start in range(0, world, tensor_parallel_size):
+        # gloo whatever the training backend: only small Python lists of prompt ids travel here
+        group = dist.new_group(list(range(start, start + tensor_parallel_size)), backend="gloo")
+        if start <= rank < start + tensor_parallel_size:
+            mine = group
+    return RolloutReplica(index=rank // tensor_parallel_size, size=tensor_parallel_size, group=mine)
+
+
+def replica_seed(sampling, replica_index: int):
+    """A seeded request gets a distinct, reproducible stream per replica (the same on its ranks)."""
+    if sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=sampling.seed * 7919 + replica_index)
+
+
+def generate_in_replica(engine, prompt_token_ids: list[list[int]], sampling, replica: RolloutReplica):
+    """This rank's share of prompts generated together with the other shares of its replica."""
+    if replica.group is None:
+        if not prompt_token_ids:
+            return []
+        return engine.generate(prompt_token_ids, replica_seed(sampling, replica.index))
+    shares: list = [None] * replica.size
+    dist.all_gather_object(shares, list(prompt_token_ids), group=replica.group)
+    merged = [prompt for share in shares for prompt in share]
+    if not merged:
+        return []
+    outputs = engine.generate(merged, replica_seed(sampling, replica.index))
+    start = sum(len(share) for share in shares[: dist.get_rank(replica.group)])
+    end = start + len(prompt_token_ids)
+    return [replace(out, prompt_index=out.prompt_index - start) for out in outputs if start <= out.prompt_index < end]
