@@ -354,14 +354,14 @@ def check_rollout_tensor_parallel(cfg: MegarlConfig, *, colocated: bool) -> None
             f"placement={'colocate' if colocated else 'separate'})")
 
 
-def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int, colocated: bool = True):
+def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int):
     """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
-    replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`)."""
+    replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
+    :func:`check_rollout_tensor_parallel`."""
     from megarl.engines.rollout.base import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
     tp = rollout.tensor_model_parallel_size
-    check_rollout_tensor_parallel(cfg, colocated=colocated)
     engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
     if tp > 1:
         # vLLM joins this process's torch.distributed world and shards over `tp` consecutive ranks; its
@@ -409,8 +409,9 @@ class RolloutWorker:
         self.context = read_worker_context()
         if self.context.device == "cuda":
             torch.cuda.set_device(self.context.local_device_index)
+        check_rollout_tensor_parallel(cfg, colocated=False)
         self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
-                                               seed_offset=self.context.rank, colocated=False)
+                                               seed_offset=self.context.rank)
         self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)

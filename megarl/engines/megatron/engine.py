@@ -48,6 +48,7 @@ from megarl.engines.megatron.packing import (
     pad_rows,
     plan_fixed_rows,
     plan_token_budget,
+    response_positions_of,
     row_token_counts,
     scatter_to_rows,
 )
@@ -142,9 +143,8 @@ def response_log_probs(output: torch.Tensor, mb: dict, temperature: float,
 
     tp_group = mpu.get_tensor_model_parallel_group()
     if mb.get("packed_seq_params") is None:
-        start = mb["prompt_len"] - 1  # the logit at position t predicts token t + 1
-        return compute_vocab_parallel_log_probs(output[:, start:-1, :], mb["response_ids"], tp_group=tp_group,
-                                                temperature=temperature, vocab_size=vocab_size)
+        return compute_vocab_parallel_log_probs(response_positions_of(output, mb), mb["response_ids"],
+                                                tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
     # Packed: score every next token of the stream and keep the response ones. Selecting the response
     # logits first would copy them (and index_add a second logits-sized buffer in backward).
     stream = mb["input_ids"][0]

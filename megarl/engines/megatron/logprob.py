@@ -136,30 +136,26 @@ def _chunk_backward(logits, target, log_norm, entropy, grad_log_probs, grad_entr
 # logits once or twice, instead of ~10 eager passes over fp32 temporaries (the log-prob step was ~12% of a
 # 1.5B packed actor update on an H200). MEGARL_COMPILE_LOGPROB=0 turns it off; a compile failure falls back
 # to eager (with a warning) for the rest of the process.
-_compiled: dict = {}
+_compiled: dict = {}  # eager chunk function -> its compiled twin; "failed" once a compile has failed
 
 
-def _chunk_kernels(device: torch.device):
-    if device.type != "cuda" or os.environ.get("MEGARL_COMPILE_LOGPROB", "1") == "0" or _compiled.get("failed"):
-        return _chunk_forward, _chunk_backward
-    if "forward" not in _compiled:
-        _compiled["forward"] = torch.compile(_chunk_forward, dynamic=True)
-        _compiled["backward"] = torch.compile(_chunk_backward, dynamic=True)
-    return _compiled["forward"], _compiled["backward"]
+def _compile_wanted(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("MEGARL_COMPILE_LOGPROB", "1") != "0"
 
 
-def _run_chunk(kind: str, device: torch.device, *args):
-    forward, backward = _chunk_kernels(device)
-    fn = forward if kind == "forward" else backward
+def _run_chunk(eager, device: torch.device, *args):
+    """``eager(*args)``, through its compiled twin where that is wanted and has not failed."""
+    if _compiled.get("failed") or not _compile_wanted(device):
+        return eager(*args)
+    if eager not in _compiled:
+        _compiled[eager] = torch.compile(eager, dynamic=True)
     try:
-        return fn(*args)
+        return _compiled[eager](*args)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager function is still correct
-        if fn in (_chunk_forward, _chunk_backward):
-            raise
         warnings.warn(f"torch.compile of the log-prob kernels failed ({type(exc).__name__}: {exc}); "
                       f"using eager kernels", RuntimeWarning)
         _compiled["failed"] = True
-        return (_chunk_forward if kind == "forward" else _chunk_backward)(*args)
+        return eager(*args)
 
 
 class _FullVocabLogProbEntropy(torch.autograd.Function):
@@ -174,8 +170,8 @@ class _FullVocabLogProbEntropy(torch.autograd.Function):
         starts, step = _row_chunks(rows, cols)
         for start in starts:
             sl = slice(start, start + step)
-            log_probs[sl], entropy[sl], log_norm[sl] = _run_chunk("forward", logits.device, logits[sl], target[sl],
-                                                                 temperature)
+            log_probs[sl], entropy[sl], log_norm[sl] = _run_chunk(_chunk_forward, logits.device, logits[sl],
+                                                                 target[sl], temperature)
         ctx.save_for_backward(logits, target, log_norm, entropy)
         ctx.set_materialize_grads(False)
         ctx.temperature = temperature
@@ -191,7 +187,7 @@ class _FullVocabLogProbEntropy(torch.autograd.Function):
         starts, step = _row_chunks(*logits.shape)
         for start in starts:
             sl = slice(start, start + step)
-            grad[sl] = _run_chunk("backward", logits.device, logits[sl], target[sl], log_norm[sl], entropy[sl],
+            grad[sl] = _run_chunk(_chunk_backward, logits.device, logits[sl], target[sl], log_norm[sl], entropy[sl],
                                   grad_log_probs[sl], grad_entropy[sl], ctx.temperature)
         return grad, None, None
 

@@ -89,8 +89,8 @@ def test_a_failing_compiled_kernel_falls_back_to_eager_with_a_warning(monkeypatc
         raise RuntimeError("inductor exploded")
 
     monkeypatch.setattr(logprob, "_compiled", {})
-    monkeypatch.setattr(logprob, "_chunk_kernels", lambda device: (broken, broken)
-                        if not logprob._compiled.get("failed") else (logprob._chunk_forward, logprob._chunk_backward))
+    monkeypatch.setattr(logprob, "_compile_wanted", lambda device: True)  # as on CUDA
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: broken)
     logits = torch.randn(6, 11, requires_grad=True)
     target = torch.randint(0, 11, (6,))
     with pytest.warns(RuntimeWarning, match="inductor exploded"):
