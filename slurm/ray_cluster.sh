@@ -77,42 +77,61 @@ megarl_wait_for_cluster() {
         --timeout-s "${MEGARL_RAY_WAIT_TIMEOUT_S:-600}"
 }
 
-# Send a signal to a pid, and to its process group when it leads one (a local srun/ray start), never to ours.
-megarl_signal_tree() {
-    local sig="$1" pid="$2" pgid
+# What to signal for a step: its whole process group when its pid leads one of its own (a local step in a
+# session of its own holds every Ray process of that node, and Ray's processes outlive the `ray start` that
+# spawned them), else the pid alone (srun forwards the signal to its remote step). Never our own group.
+megarl_signal_target() {
+    local pid="$1" pgid
     pgid="$(ps -o pgid= -p "$pid" 2>/dev/null | tr -d ' ')"
     if [[ -n "$pgid" && "$pgid" == "$pid" && "$pgid" != "$(ps -o pgid= -p $$ | tr -d ' ')" ]]; then
-        kill "-$sig" -- "-$pgid" 2>/dev/null
+        echo "-$pgid"
     else
-        kill "-$sig" "$pid" 2>/dev/null
+        echo "$pid"
     fi
 }
 
-megarl_wait_pids_gone() {
+megarl_signal_targets() {
+    local sig="$1" target; shift
+    for target in "$@"; do kill "-$sig" -- "$target" 2>/dev/null; done
+}
+
+# Wait until no process of the targets (pids or -pgid groups) is left; 1 when some outlived the timeout.
+megarl_wait_targets_gone() {
     local timeout="$1"; shift
-    local deadline=$((SECONDS + timeout)) pid alive
+    local deadline=$((SECONDS + timeout)) target alive
     while :; do
         alive=0
-        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        for target in "$@"; do kill -0 -- "$target" 2>/dev/null && alive=1; done
         ((alive == 0)) && return 0
         ((SECONDS >= deadline)) && return 1
         sleep 1
     done
 }
 
+# TERM the targets, wait up to the grace period, KILL whatever of them is left.
+megarl_terminate() {
+    local what="$1" grace="$2"; shift 2
+    megarl_signal_targets TERM "$@"
+    if ! megarl_wait_targets_gone "$grace" "$@"; then
+        megarl_log "$what did not exit within ${grace}s of SIGTERM: sending SIGKILL"
+        megarl_signal_targets KILL "$@"
+        megarl_wait_targets_gone 10 "$@" || megarl_log "$what still alive 10s after SIGKILL"
+    fi
+}
+
 megarl_stop_cluster() {
     [[ "${MEGARL_CLUSTER_STOPPED:-0}" == 1 ]] && return 0
     MEGARL_CLUSTER_STOPPED=1
     local grace="${MEGARL_RAY_STOP_GRACE_S:-30}" pid node
+    local -a targets=()
+    for pid in "${MEGARL_RAY_PIDS[@]}"; do targets+=("$(megarl_signal_target "$pid")"); done
     megarl_log "stopping ray on ${#MEGARL_RAY_PIDS[@]} node(s)"
-    # Workers first so the head does not spend the grace period reporting dead nodes.
-    for ((i = ${#MEGARL_RAY_PIDS[@]} - 1; i >= 0; i--)); do
-        megarl_signal_tree TERM "${MEGARL_RAY_PIDS[$i]}"
-    done
-    if ! megarl_wait_pids_gone "$grace" "${MEGARL_RAY_PIDS[@]}"; then
-        megarl_log "ray did not exit within ${grace}s of SIGTERM: sending SIGKILL"
-        for pid in "${MEGARL_RAY_PIDS[@]}"; do megarl_signal_tree KILL "$pid"; done
+    # Workers before the head: a worker raylet deregisters from the head's GCS on SIGTERM, and with the GCS
+    # already gone it retries for a minute instead of exiting.
+    if ((${#targets[@]} > 1)); then
+        megarl_terminate "ray on the worker nodes" "$grace" "${targets[@]:1}"
     fi
+    ((${#targets[@]} > 0)) && megarl_terminate "ray on the head node" "$grace" "${targets[0]}"
     if [[ "${MEGARL_SLURM_RAY_STOP:-1}" == 1 ]]; then
         # Remote raylets whose srun step got SIGKILL are not reached by the signal: stop them on their node.
         for node in "${MEGARL_NODES[@]}"; do
@@ -127,10 +146,7 @@ megarl_on_signal() {
     local sig="$1"
     megarl_log "received SIG$sig: stopping the driver and the cluster"
     if [[ -n "${MEGARL_DRIVER_PID:-}" ]] && kill -0 "$MEGARL_DRIVER_PID" 2>/dev/null; then
-        megarl_signal_tree TERM "$MEGARL_DRIVER_PID"
-        if ! megarl_wait_pids_gone "${MEGARL_RAY_STOP_GRACE_S:-30}" "$MEGARL_DRIVER_PID"; then
-            megarl_signal_tree KILL "$MEGARL_DRIVER_PID"
-        fi
+        megarl_terminate "the driver" "${MEGARL_RAY_STOP_GRACE_S:-30}" "$(megarl_signal_target "$MEGARL_DRIVER_PID")"
     fi
     megarl_stop_cluster
     trap - EXIT
