@@ -42,7 +42,7 @@ def training_world_size(cfg: MegarlConfig) -> int:
     return world_size(cfg)
 
 
-def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int) -> int:
+def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: str = "auto") -> int:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         _positive(getattr(m, name), f"{prefix}.{name}")
@@ -65,9 +65,10 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int) -> int:
             f"{prefix}.expert_model_parallel_size x expert_tensor_parallel_size = {expert_group} must divide "
             f"data x tensor x context parallel = {dp * m.tensor_model_parallel_size * m.context_parallel_size}"
         )
-    if m.context_parallel_size > 1:
-        raise ConfigError(f"{prefix}.context_parallel_size={m.context_parallel_size}: context parallelism is not "
-                          "supported by the megarl engines yet (use 1)")
+    if m.context_parallel_size > 1 and layer_spec == "te":
+        raise ConfigError(f"{prefix}.context_parallel_size={m.context_parallel_size} runs on the local layer spec's "
+                          f"SDPA attention; actor_rollout_ref.model.layer_spec=te with context parallelism is not "
+                          f"supported (use auto or local)")
     if m.sequence_parallel and m.tensor_model_parallel_size == 1:
         raise ConfigError(f"{prefix}.sequence_parallel needs tensor_model_parallel_size > 1")
     return dp
@@ -95,28 +96,33 @@ def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int,
 
 
 def _check_token_budgets(cfg: MegarlConfig) -> None:
-    """Token budgets need packing, and must hold the longest possible row (prompt + response)."""
+    """Token budgets need packing, and must hold the longest possible row (prompt + response). A budget is
+    per GPU: with context parallelism a micro-batch holds ``cp`` times as many tokens, each row rounded up to
+    a multiple of ``2 * cp``."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    actor_cp, critic_cp = arr.actor.megatron.context_parallel_size, critic.megatron.context_parallel_size
     budgets = [
         ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu,
-         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing"),
+         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing", actor_cp),
         ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", arr.rollout.log_prob_max_token_len_per_gpu,
-         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing"),
+         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing", actor_cp),
         ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_max_token_len_per_gpu,
-         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing"),
+         arr.model.use_sequence_packing, "actor_rollout_ref.model.use_sequence_packing", actor_cp),
         ("critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu, critic.use_sequence_packing,
-         "critic.use_sequence_packing"),
+         "critic.use_sequence_packing", critic_cp),
     ]
-    for key, budget, packing, packing_key in budgets:
+    for key, budget, packing, packing_key, cp in budgets:
         if budget is None:
             continue
         if not packing:
             raise ConfigError(f"{key}={budget} groups rows by tokens and needs {packing_key}=true")
-        if budget < longest:
+        row = -(-longest // (2 * cp)) * (2 * cp) if cp > 1 else longest
+        if budget * cp < row:
+            per_cp = f" (context_parallel_size={cp}: a row of {row} tokens over {cp} GPUs)" if cp > 1 else ""
             raise ConfigError(
                 f"{key}={budget} is smaller than the longest possible row: data.max_prompt_length + "
-                f"data.max_response_length = {longest}"
+                f"data.max_response_length = {longest}{per_cp}; use at least {-(-row // cp)}"
             )
 
 
@@ -191,11 +197,11 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
         cfg.critic.use_sequence_packing = arr.model.use_sequence_packing
     _check_token_budgets(cfg)
     n_train = training_world_size(cfg)
-    dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train)
+    dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train, arr.model.layer_spec)
     _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
                    data.train_batch_size, rollout.n, dp, by_tokens=actor.ppo_max_token_len_per_gpu is not None)
     if cfg.critic.enable:
-        critic_dp = _check_megatron(cfg.critic.megatron, "critic.megatron", n_train)
+        critic_dp = _check_megatron(cfg.critic.megatron, "critic.megatron", n_train, arr.model.layer_spec)
         _check_batches("critic", cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,
                        data.train_batch_size, rollout.n, critic_dp,
                        by_tokens=cfg.critic.ppo_max_token_len_per_gpu is not None)

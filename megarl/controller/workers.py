@@ -101,7 +101,10 @@ class _MegatronRole:
         self.layout = parallel_layout(megatron)
         self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
         self.model_path = str(resolve_model_path(model_path))
-        self.bridge = ModelBridge.from_hf_config(self.model_path, spec=cfg.actor_rollout_ref.model.layer_spec)
+        spec = cfg.actor_rollout_ref.model.layer_spec
+        if megatron.context_parallel_size > 1 and spec == "auto":
+            spec = "local"  # context parallelism is megarl's SDPA attention, not Transformer Engine's
+        self.bridge = ModelBridge.from_hf_config(self.model_path, spec=spec)
         self.params_dtype = _DTYPES[megatron.params_dtype]
         self.megatron = megatron
 

@@ -24,8 +24,12 @@ Packed sequences (megatron's ``thd`` format, ``packed_seq_params`` with ``cu_seq
 variable-length flash kernel (``torch.nn.attention.varlen.varlen_attn``) covers all segments; elsewhere
 (CPU, fp32, a torch without it) each segment runs its own causal SDPA call.
 
-Left out: attention dropout > 0, attention bias, context parallelism, sliding windows, softmax offsets
-("off-by-one"/"learnable" softmax), padded ``cu_seqlens`` (``cu_seqlens_q_padded``); each raises.
+Context parallelism (``context_parallel_size > 1``): this rank's queries against the gathered keys and values
+of their whole sequence, see :mod:`megarl.models.context_parallel` (always through SDPA with an explicit
+mask; the varlen flash kernel is not used there).
+
+Left out: attention dropout > 0, attention bias, sliding windows, softmax offsets ("off-by-one"/"learnable"
+softmax), padded ``cu_seqlens`` (``cu_seqlens_q_padded``); each raises.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+
+from megarl.models.context_parallel import context_parallel_attention, packed_context_parallel_attention
 
 # (weakref to the megatron mask, its _version, the SDPA mask or None for pure causal)
 _mask_cache: list = [None, -1, None]
@@ -125,9 +131,6 @@ class SDPADotProductAttention(MegatronModule):
                  cp_comm_type: Optional[str] = None, pg_collection=None,
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(f"SDPADotProductAttention does not support context parallelism "
-                             f"(context_parallel_size={config.context_parallel_size}); use the TE spec")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"SDPADotProductAttention supports attention_dropout=0 only, got {dropout}")
@@ -140,9 +143,14 @@ class SDPADotProductAttention(MegatronModule):
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if config.context_parallel_size > 1 and self.cp_group is None:
+            from megatron.core import parallel_state as mpu
+
+            self.cp_group = mpu.get_context_parallel_group()
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.attention_type = attention_type
@@ -169,6 +177,8 @@ class SDPADotProductAttention(MegatronModule):
         if heads % groups or value.shape[2] != groups:
             raise ValueError(f"query has {heads} heads, key {groups} and value {value.shape[2]} groups: "
                              f"the heads must be a multiple of equal key/value groups")
+        if self.cp_group is not None:
+            return context_parallel_attention(query, key, value, attention_mask, self.cp_group, self.softmax_scale)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if heads != groups:
@@ -201,6 +211,10 @@ class SDPADotProductAttention(MegatronModule):
         if heads % groups or value.shape[1] != groups:
             raise ValueError(f"query has {heads} heads, key {groups} and value {value.shape[1]} groups: "
                              f"the heads must be a multiple of equal key/value groups")
-        context = packed_causal_attention(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
-                                          self.softmax_scale)
+        if self.cp_group is not None:
+            context = packed_context_parallel_attention(query, key, value, params.cu_seqlens_q, self.cp_group,
+                                                        self.softmax_scale)
+        else:
+            context = packed_causal_attention(query, key, value, params.cu_seqlens_q, params.max_seqlen_q,
+                                              self.softmax_scale)
         return context.reshape(context.shape[0], -1)

@@ -55,6 +55,13 @@ def test_overrides_are_typed(tmp_path):
      r"data.max_prompt_length \+ data.max_response_length = 40"),
     ("critic.ppo_max_token_len_per_gpu=100", r"critic.ppo_max_token_len_per_gpu=100 groups rows by tokens and needs "
                                              r"critic.use_sequence_packing=true"),
+    ("trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.context_parallel_size=2 "
+     "actor_rollout_ref.model.layer_spec=te",
+     r"actor_rollout_ref.actor.megatron.context_parallel_size=2 runs on the local layer spec's SDPA attention"),
+    ("trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.context_parallel_size=2 "
+     "actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=19",
+     r"ppo_max_token_len_per_gpu=19 is smaller than the longest possible row: .* = 40 \(context_parallel_size=2: "
+     r"a row of 40 tokens over 2 GPUs\); use at least 20"),
 ])
 def test_bad_settings_name_the_key(override, message):
     overrides = override.split(" ")
@@ -69,6 +76,13 @@ def test_token_budgets_replace_the_micro_batch_divisibility_check():
                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"])
     assert cfg.critic.use_sequence_packing is True  # follows the actor's model unless set
+
+
+def test_context_parallel_budget_is_per_gpu():
+    cfg = load_config(overrides=["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                                 "actor_rollout_ref.model.use_sequence_packing=true",
+                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20"])
+    assert cfg.actor_rollout_ref.actor.megatron.context_parallel_size == 2
 
 
 def test_tensor_parallel_must_divide_world():

@@ -1,6 +1,7 @@
 """Packed (thd) micro-batches give the padded rows' log-probs for every supported architecture, built through
 the bridge on the local spec: GQA + q/k/v bias (Qwen2), q/k norms (Qwen3), MoE routing (Qwen3-MoE) and MLA
-with YaRN RoPE and MoE (DeepSeek-V3), whose RoPE takes megatron's per-sequence ``thd`` path."""
+with YaRN RoPE and MoE (DeepSeek-V3), whose RoPE takes megatron's per-sequence ``thd`` path. With context
+parallelism (CP=2 over two gloo ranks) both layouts give the CP=1 log-probs too."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from megarl.models.tiny import TINY_ARCHS
 from tests.dist_harness import run_distributed
 
 
-def _log_probs_both_ways(rank, arch):
+def _log_probs_both_ways(rank, arch, cp=1):
     from megarl.engines.megatron.actor import ActorEngine
     from megarl.engines.megatron.engine import MicroBatching
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
@@ -17,11 +18,13 @@ def _log_probs_both_ways(rank, arch):
     from megarl.models.tiny import tiny_hf_config
     from tests.engines.megatron.tiny_setup import synthetic_batch
 
-    initialize_megatron_parallel(layout=ParallelLayout(), seed=3)
+    layout = ParallelLayout(context_parallel=cp)
+    initialize_megatron_parallel(layout=layout, seed=3)
     bridge = ModelBridge.from_hf_config(tiny_hf_config(arch), spec="local")
-    config = bridge.transformer_config(layout=ParallelLayout())
+    config = bridge.transformer_config(layout=layout)
 
     def provider(pre_process, post_process, vp_stage=None):
+        torch.manual_seed(7)  # the same random weights on every rank and world size
         return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process)
 
     engine = ActorEngine(model_provider=provider, config=config, micro_batch_size=2,
@@ -41,3 +44,14 @@ def test_packed_log_probs_equal_padded_for_every_architecture(arch):
     mask = out["mask"]
     assert out["padded"][mask].std() > 0  # real, varied log-probs, not a constant
     torch.testing.assert_close(out["packed"][mask], out["padded"][mask], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_context_parallel_log_probs_equal_cp1_for_every_architecture(arch):
+    want = run_distributed(_log_probs_both_ways, 1, arch, 1, timeout_s=180)[0]
+    mask = want["mask"]
+    for rank, got in enumerate(run_distributed(_log_probs_both_ways, 2, arch, 2, timeout_s=240)):
+        for name in ("padded", "packed"):
+            torch.testing.assert_close(got[name][mask], want["padded"][mask], rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name: f"cp=2 rank {rank} {n}: {m}")

@@ -143,6 +143,28 @@ def test_sequence_packing_with_token_budgets_trains_like_padded_rows(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
+@pytest.mark.timeout(600)
+def test_context_parallel_ppo_trains_and_scores_like_the_rollout(tmp_path):
+    """Actor, reference and critic with each sequence split over two CP ranks (packed, token budgets,
+    checkpoint saved and resumed): the trainer's recomputed log-probs of the sampled tokens must equal the HF rollout
+    engine's (both fp32, and the CP split must not change them), and the critic must train."""
+    cp = ("trainer.n_gpus_per_node=2", "trainer.save_freq=2", "actor_rollout_ref.actor.use_kl_loss=true",
+          "actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2",
+          "actor_rollout_ref.model.use_sequence_packing=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=128", "critic.ppo_max_token_len_per_gpu=128")
+    history = _run(_config(tmp_path, "trainer.total_training_steps=2", *cp, recipe="ppo_tiny.yaml"))
+    assert [h["step"] for h in history] == [1, 2]
+    for step in history:
+        assert step["rollout/log_prob_diff_max"] < 1e-4, step["rollout/log_prob_diff_max"]
+        assert all(v == v for v in step.values()), "NaN metric"
+    assert "critic/vf_loss" in history[-1] and "actor/kl_loss" in history[-1]
+    assert (tmp_path / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
+    resumed = _run(_config(tmp_path, "trainer.total_training_steps=3", *cp, recipe="ppo_tiny.yaml"))
+    assert [h["step"] for h in resumed] == [3]  # the CP checkpoint loads back into the CP layout
+    assert resumed[0]["rollout/log_prob_diff_max"] < 1e-4
+    print({k: [h[k] for h in history + resumed] for k in ("rollout/log_prob_diff_max", "critic/vf_loss")})
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
 def test_vllm_rollout_with_tensor_parallel_replicas_follows_the_trainer(tmp_path):

@@ -108,7 +108,9 @@ def _sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool, with_
         pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
         pp_size, tp_size = mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
         state["rng_state"] = ShardedObject(
-            "rng_state", [_rng_state()], (pp_size, tp_size), (pp, tp), replica_id=mpu.get_data_parallel_rank(),
+            # CP peers share the TP rank's seeds: one of them (like one DP replica) writes the state
+            "rng_state", [_rng_state()], (pp_size, tp_size), (pp, tp),
+            replica_id=mpu.get_data_parallel_rank(with_context_parallel=True),
         )
         state["rng_layout"] = {"pp": pp_size, "tp": tp_size}
     return state

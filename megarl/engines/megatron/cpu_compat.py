@@ -23,6 +23,8 @@ laptop or in CI:
 * ``megatron.core.transformer.multi_latent_attention.HAVE_TE`` -> False when Transformer Engine is not
   importable (megatron's TE extension imports with mock placeholders, so the MLA module believes TE is
   there and calls ``isinstance(..., <mock>)``);
+* ``get_pos_emb_on_this_cp_rank`` (RoPE under context parallelism) -> the same chunk selection without
+  the pinned host buffer it stages its two chunk indices in (pinning needs CUDA);
 * ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`` -> also converts tensors already on CPU
   (on GPU the all-to-all split sizes become numpy arrays on their way to the host; on CPU they stayed
   tensors, which ``all_to_all_single`` rejects).
@@ -279,6 +281,21 @@ def _patch_moe_host_splits() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    chunks = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    mine = chunks.index_select(seq_dim, torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank]))
+    return mine.reshape(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 1:])
+
+
+def _patch_cp_pos_emb() -> None:
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding
+
+    for module in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding):
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+
+
 def _patch_tensor_cuda() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
 
@@ -294,6 +311,7 @@ _PATCHES = (
     ("megatron.moe_utils.missing_te_kernels->None", _patch_moe_missing_te_names),
     ("megatron.multi_latent_attention.HAVE_TE->False_without_te", _patch_mla_have_te),
     ("megatron.moe.all_to_all_splits->host_numpy", _patch_moe_host_splits),
+    ("megatron.rope.cp_pos_emb->unpinned", _patch_cp_pos_emb),
 )
 
 

@@ -21,7 +21,7 @@ import torch
 
 from megarl.algorithms import compute_value_loss
 from megarl.batch import TrainBatch, select_rows
-from megarl.engines.megatron.engine import MegatronEngine, average_metrics, check_mini_batches
+from megarl.engines.megatron.engine import MegatronEngine, average_metrics, check_mini_batches, whole_sequence
 from megarl.engines.megatron.packing import response_positions_of, restore_row_order, scatter_to_rows
 
 _HEAD_SEED = 20240601
@@ -65,7 +65,7 @@ class CriticEngine(MegatronEngine):
 
     @staticmethod
     def _response_values(output: torch.Tensor, mb: dict) -> torch.Tensor:
-        return scatter_to_rows(response_positions_of(output, mb)[..., 0].float(), mb)
+        return scatter_to_rows(response_positions_of(whole_sequence(output, mb), mb)[..., 0].float(), mb)
 
     def compute_values(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None,
                        max_tokens: Optional[int] = None) -> torch.Tensor:

@@ -24,7 +24,13 @@ accumulated gradient is exactly the gradient of the full-batch loss.
 
 Batches: each DP rank receives its own shard (the controller splits by ``dp_rank``); all TP/PP ranks of
 one replica receive the same shard; with a token budget the number of micro-batches may differ between DP
-ranks (gradients are reduced once, after the last one). Leaves out: context parallelism (cp must be 1).
+ranks (gradients are reduced once, after the last one).
+
+Context parallelism: the CP ranks of a replica receive the same shard; each runs its share of every
+sequence (:func:`~megarl.engines.megatron.packing.shard_for_context_parallel`) and the per-token results
+(log-probs, entropy, values) are gathered back into whole rows before the loss, so losses and metrics are
+those of CP=1. A packed micro-batch's token budget is per GPU: one micro-batch holds ``cp`` times as many
+tokens (each row rounded up to a multiple of ``2 * cp``).
 """
 
 from __future__ import annotations
@@ -51,8 +57,10 @@ from megarl.engines.megatron.packing import (
     response_positions_of,
     row_token_counts,
     scatter_to_rows,
+    shard_for_context_parallel,
 )
 from megarl.engines.megatron.parallel import current_rank_info, device_for_this_process
+from megarl.models.context_parallel import gather_sequence
 
 ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
 # loss(micro_batch, output_of_last_stage) -> (scalar share of the step loss, {name: detached tensor})
@@ -142,6 +150,12 @@ def response_log_probs(output: torch.Tensor, mb: dict, temperature: float,
     from megatron.core import parallel_state as mpu
 
     tp_group = mpu.get_tensor_model_parallel_group()
+    if "cp_bounds" in mb:
+        # This rank's positions scored against their next tokens, then every rank's gathered into rows.
+        per_position = compute_vocab_parallel_log_probs(output, mb["labels"], tp_group=tp_group,
+                                                        temperature=temperature, vocab_size=vocab_size)
+        return tuple(scatter_to_rows(response_positions_of(whole_sequence(values, mb), mb), mb)
+                     for values in per_position)
     if mb.get("packed_seq_params") is None:
         return compute_vocab_parallel_log_probs(response_positions_of(output, mb), mb["response_ids"],
                                                 tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
@@ -152,6 +166,18 @@ def response_log_probs(output: torch.Tensor, mb: dict, temperature: float,
                                                           temperature=temperature, vocab_size=vocab_size)
     index = mb["response_index"]
     return scatter_to_rows(log_probs[index], mb), scatter_to_rows(entropy[index], mb)
+
+
+def whole_sequence(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
+    """``[b, n, ...]`` results of this CP rank's positions -> ``[b, S, ...]`` of the whole sequence (every
+    CP rank's, in order; differentiable). Without context parallelism: unchanged."""
+    if "cp_bounds" not in mb:
+        return per_position
+    from megatron.core import parallel_state as mpu
+
+    gathered = gather_sequence(per_position.transpose(0, 1), mb["cp_bounds"], mpu.get_context_parallel_group(),
+                               downstream="replicated")
+    return gathered.transpose(0, 1)
 
 
 @dataclass(frozen=True)
@@ -194,8 +220,6 @@ class MegatronEngine:
     ):
         from megatron.core import parallel_state as mpu
 
-        if mpu.get_context_parallel_world_size() != 1:
-            raise NotImplementedError("context parallelism is not supported by MegatronEngine yet (cp must be 1)")
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.config = config
@@ -258,7 +282,8 @@ class MegatronEngine:
         Rows are grouped by ``max_tokens`` real tokens (default: the engine's budget) when packing with a
         budget, else ``micro_batch_size`` (default: the engine's) consecutive rows. Packed streams are
         padded to a multiple of TP (sequence parallelism splits them) and, with pipeline stages, to the
-        longest stream of the step (one activation shape per step)."""
+        longest stream of the step (one activation shape per step). With context parallelism each CP rank
+        gets its share of every micro-batch (see the module docstring)."""
         from megatron.core import parallel_state as mpu
 
         device = device_for_this_process()
@@ -266,17 +291,26 @@ class MegatronEngine:
         packing = self.micro_batching
         budget = max_tokens or packing.max_tokens_per_micro_batch
         pp = mpu.get_pipeline_model_parallel_world_size()
+        cp = mpu.get_context_parallel_world_size()
+        segment_multiple = 2 * cp if cp > 1 else 1
         if packing.sequence_packing and budget is not None:
             # the interleaved schedule wants whole groups of micro-batches
             multiple = (self.config.microbatch_group_size_per_vp_stage or pp) if len(self.model) > 1 else 1
-            plan = plan_token_budget(row_token_counts(batch), budget, multiple_of=multiple)
+            plan = plan_token_budget(row_token_counts(batch, segment_multiple), budget * cp, multiple_of=multiple)
         else:
             plan = plan_fixed_rows(len(batch), micro_batch_size or self.micro_batch_size)
         if not packing.sequence_packing:
-            return [pad_rows(batch, rows, fields, device) for rows in plan]
-        multiple = mpu.get_tensor_model_parallel_world_size()
-        pad_to = max(packed_length(batch, rows, multiple) for rows in plan) if pp > 1 else None
-        return [pack_rows(batch, rows, fields, device, pad_to=pad_to, multiple_of=multiple) for rows in plan]
+            micro_batches = [pad_rows(batch, rows, fields, device) for rows in plan]
+        else:
+            multiple = mpu.get_tensor_model_parallel_world_size() * segment_multiple
+            pad_to = (max(packed_length(batch, rows, multiple, segment_multiple) for rows in plan)
+                      if pp > 1 else None)
+            micro_batches = [pack_rows(batch, rows, fields, device, pad_to=pad_to, multiple_of=multiple,
+                                       segment_multiple_of=segment_multiple) for rows in plan]
+        if cp > 1:
+            rank = mpu.get_context_parallel_rank()
+            micro_batches = [shard_for_context_parallel(mb, cp, rank) for mb in micro_batches]
+        return micro_batches
 
     def run_micro_batches(
         self, micro_batches: list[dict], *, loss: MicroBatchLoss, forward_only: bool,
@@ -302,9 +336,12 @@ class MegatronEngine:
                            attention_mask=mb["attention_mask"], packed_seq_params=mb.get("packed_seq_params"))
             return output, partial(loss_func, mb)
 
-        seq_length = micro_batches[0]["input_ids"].shape[1]
-        if self.config.sequence_parallel and seq_length % mpu.get_tensor_model_parallel_world_size():
-            raise ValueError(f"sequence_parallel needs P + R ({seq_length}) divisible by tensor_parallel")
+        # megatron's schedule wants the full sequence length and divides it by CP itself
+        seq_length = micro_batches[0]["input_ids"].shape[1] * mpu.get_context_parallel_world_size()
+        local_length = micro_batches[0]["input_ids"].shape[1]
+        if self.config.sequence_parallel and local_length % mpu.get_tensor_model_parallel_world_size():
+            raise ValueError(f"sequence_parallel needs the sequence length per CP rank ({local_length}) "
+                             f"divisible by tensor_parallel")
         if (mpu.get_pipeline_model_parallel_world_size() > 1
                 and len({mb["input_ids"].shape for mb in micro_batches}) > 1):
             raise ValueError("pipeline stages exchange one activation shape per step: every micro-batch "

@@ -11,6 +11,10 @@ per-token fields as ``[b, R]`` tensors, so losses and aggregation never see the 
   per row. A padding segment at the end rounds ``T`` up (sequence parallelism needs ``T`` divisible by TP,
   pipeline stages need one ``T`` for all micro-batches of a step).
 
+Context parallelism (:func:`shard_for_context_parallel`): either layout, with every sequence (packed: every
+segment) padded to a multiple of ``2 * cp``, is cut into this CP rank's share of tokens, positions and
+next-token labels; the per-token results are gathered back into the full layout before the loss.
+
 Which rows form a micro-batch: a fixed number of consecutive rows (:func:`plan_fixed_rows`), or, with a
 token budget, balanced bins whose real-token totals stay within it (:func:`plan_token_budget`): few
 micro-batches of similar cost however skewed the response lengths are. The per-row results are put back
@@ -26,6 +30,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from megarl.batch import TrainBatch
+from megarl.models.context_parallel import local_positions
 
 
 def plan_fixed_rows(num_rows: int, micro_batch_size: int) -> list[list[int]]:
@@ -73,9 +78,9 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def row_token_counts(batch: TrainBatch) -> list[int]:
-    """Real tokens (prompt + response) per row."""
-    return batch.attention_mask.sum(dim=1).tolist()
+def row_token_counts(batch: TrainBatch, multiple_of: int = 1) -> list[int]:
+    """Real tokens (prompt + response) per row, each rounded up to ``multiple_of``."""
+    return [_round_up(n, multiple_of) for n in batch.attention_mask.sum(dim=1).tolist()]
 
 
 def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -110,28 +115,46 @@ def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device) 
     return mb
 
 
-def packed_length(batch: TrainBatch, rows: list[int], multiple_of: int = 1) -> int:
+def packed_length(batch: TrainBatch, rows: list[int], multiple_of: int = 1, segment_multiple_of: int = 1) -> int:
     """``T`` of :func:`pack_rows` for these rows, before any common ``pad_to``."""
-    return _round_up(int(batch.attention_mask[torch.as_tensor(rows)].sum()), multiple_of)
+    lengths = batch.attention_mask[torch.as_tensor(rows)].sum(dim=1).tolist()
+    return _round_up(sum(_round_up(n, segment_multiple_of) for n in lengths), multiple_of)
+
+
+def _pad_segments(values: torch.Tensor, lengths: list[int], padded: list[int], fill) -> torch.Tensor:
+    """Concatenated segments of ``lengths`` -> the same segments each extended to ``padded`` by ``fill(n)``."""
+    if lengths == padded:
+        return values
+    parts = []
+    for segment, length, target in zip(values.split(lengths), lengths, padded):
+        parts.append(segment)
+        if target > length:
+            parts.append(fill(target - length, segment))
+    return torch.cat(parts)
 
 
 def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device, *,
-              pad_to: Optional[int] = None, multiple_of: int = 1) -> dict:
+              pad_to: Optional[int] = None, multiple_of: int = 1, segment_multiple_of: int = 1) -> dict:
     """The packed (``thd``) layout of ``rows``; ``T`` is ``pad_to`` if given, else the real token count
-    rounded up to ``multiple_of``. Adds ``packed_seq_params`` and ``response_index`` (the stream position
-    of the logit that predicts each real response token, in row-major order of ``response_mask``)."""
+    rounded up to ``multiple_of``. ``segment_multiple_of`` pads each row at its end (context parallelism
+    cuts every segment into ``2 * cp`` chunks); the padding follows the row's real tokens, so no real
+    token attends to it. Adds ``packed_seq_params`` and ``response_index`` (the stream position of the
+    logit that predicts each real response token, in row-major order of ``response_mask``)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     index = torch.as_tensor(rows, dtype=torch.long)
     real = batch.attention_mask[index].bool()
-    lengths = real.sum(dim=1)
-    total = int(lengths.sum())
+    real_lens = real.sum(dim=1).tolist()
+    seq_lens = [_round_up(n, segment_multiple_of) for n in real_lens]
+    total = sum(seq_lens)
     length = pad_to if pad_to is not None else _round_up(total, multiple_of)
-    if length < total:
-        raise ValueError(f"pad_to={pad_to} is shorter than the {total} real tokens of the micro-batch")
-    tokens = batch.input_ids[index][real]
-    positions = batch.position_ids[index][real]
-    seq_lens = lengths.tolist()
+    if length < total or (length - total) % segment_multiple_of:
+        raise ValueError(f"pad_to={pad_to} does not fit the {total} tokens of the micro-batch plus a padding "
+                         f"segment of a multiple of {segment_multiple_of}")
+    tokens = _pad_segments(batch.input_ids[index][real], real_lens, seq_lens,
+                           lambda n, seg: seg.new_zeros(n))
+    positions = _pad_segments(batch.position_ids[index][real], real_lens, seq_lens,
+                              lambda n, seg: seg[-1] + 1 + torch.arange(n, dtype=seg.dtype))
     padding = length - total
     if padding:  # its own segment, so no real token attends to it
         tokens = torch.cat([tokens, tokens.new_zeros(padding)])
@@ -177,7 +200,41 @@ def response_positions_of(output: torch.Tensor, mb: dict) -> torch.Tensor:
     if mb.get("packed_seq_params") is not None:
         return output[0].index_select(0, mb["response_index"])
     start = mb["prompt_len"] - 1  # the output at position t predicts token t + 1
-    return output[:, start:-1]
+    return output[:, start:start + mb["response_ids"].shape[1]]
+
+
+def shard_for_context_parallel(mb: dict, cp_size: int, cp_rank: int) -> dict:
+    """This CP rank's share of a padded or packed micro-batch (:mod:`megarl.models.context_parallel`).
+
+    ``input_ids`` / ``position_ids`` / ``labels`` (the next token of each position, taken before the split
+    so no label lives on another rank) hold this rank's tokens; padded rows are first extended to a
+    multiple of ``2 * cp`` (masked columns) and keep their mask's rows of this rank's queries. Packed
+    segments must already be multiples of ``2 * cp`` (``pack_rows(segment_multiple_of=...)``); their
+    ``packed_seq_params`` stay those of the full stream. ``cp_bounds`` (segment boundaries of the full
+    sequence) lets the per-token results be gathered back."""
+    ids = mb["input_ids"]
+    out = dict(mb)
+    if mb.get("packed_seq_params") is not None:
+        bounds = tuple(mb["packed_seq_params"].cu_seqlens_q.tolist())
+        positions = mb["position_ids"]
+    else:
+        seq = ids.shape[1]
+        full = _round_up(seq, 2 * cp_size)
+        extra = full - seq
+        bounds = (0, full)
+        positions = mb["position_ids"]
+        if extra:
+            ids = torch.cat([ids, ids.new_zeros(ids.shape[0], extra)], dim=1)
+            positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra, device=ids.device)], 1)
+        mask = torch.ones(ids.shape[0], 1, full, full, dtype=torch.bool, device=ids.device)
+        mask[:, :, :seq, :seq] = mb["attention_mask"]
+    local = local_positions(bounds, cp_size, cp_rank).to(ids.device)
+    labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
+    out.update(input_ids=ids[:, local], position_ids=positions[:, local], labels=labels[:, local],
+               cp_bounds=bounds)
+    if mb.get("packed_seq_params") is None:
+        out["attention_mask"] = mask.index_select(2, local)
+    return out
 
 
 def scatter_to_rows(values: torch.Tensor, mb: dict) -> torch.Tensor:

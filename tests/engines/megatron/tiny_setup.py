@@ -46,20 +46,20 @@ def gpt_provider(config, *, seed: int = 11, tie: bool = False, sdpa: bool = Fals
     return provide
 
 
-def synthetic_batch(rows: int = 8, seed: int = 0):
+def synthetic_batch(rows: int = 8, seed: int = 0, prompt_len: int = PROMPT_LEN, response_len: int = RESPONSE_LEN):
     from megarl.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
-    prompt_ids = torch.randint(1, VOCAB, (rows, PROMPT_LEN), generator=g)
-    response_ids = torch.randint(1, VOCAB, (rows, RESPONSE_LEN), generator=g)
-    prompt_lens = torch.randint(2, PROMPT_LEN + 1, (rows,), generator=g)
-    resp_lens = torch.randint(1, RESPONSE_LEN + 1, (rows,), generator=g)
-    prompt_mask = (torch.arange(PROMPT_LEN)[None] >= PROMPT_LEN - prompt_lens[:, None]).long()
-    response_mask = (torch.arange(RESPONSE_LEN)[None] < resp_lens[:, None]).long()
+    prompt_ids = torch.randint(1, VOCAB, (rows, prompt_len), generator=g)
+    response_ids = torch.randint(1, VOCAB, (rows, response_len), generator=g)
+    prompt_lens = torch.randint(2, prompt_len + 1, (rows,), generator=g)
+    resp_lens = torch.randint(1, response_len + 1, (rows,), generator=g)
+    prompt_mask = (torch.arange(prompt_len)[None] >= prompt_len - prompt_lens[:, None]).long()
+    response_mask = (torch.arange(response_len)[None] < resp_lens[:, None]).long()
     prompt_ids = prompt_ids * prompt_mask
     response_ids = response_ids * response_mask
     batch = TrainBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                        response_mask=response_mask, group_ids=[str(i // 4) for i in range(rows)])
-    batch.advantages = torch.randn(rows, 1, generator=g).expand(rows, RESPONSE_LEN).clone() * response_mask
-    batch.returns = torch.randn(rows, RESPONSE_LEN, generator=g) * response_mask
+    batch.advantages = torch.randn(rows, 1, generator=g).expand(rows, response_len).clone() * response_mask
+    batch.returns = torch.randn(rows, response_len, generator=g) * response_mask
     return batch
