@@ -120,6 +120,8 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_max_token_len_per_gpu: Optional[int] = None  # token budget of the actor's log-prob pass
     weight_sync_bucket_mb: int = 512
+    # placement=separate: broadcast (a process group with the rollout workers: NCCL/gloo) | object_store (Ray)
+    weight_sync_transport: str = "broadcast"
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
 
 

@@ -69,6 +69,9 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: st
         raise ConfigError(f"{prefix}.context_parallel_size={m.context_parallel_size} runs on the local layer spec's "
                           f"SDPA attention; actor_rollout_ref.model.layer_spec=te with context parallelism is not "
                           f"supported (use auto or local)")
+    if m.context_parallel_size > 1 and m.sequence_parallel:
+        raise ConfigError(f"{prefix}.context_parallel_size={m.context_parallel_size} runs on the local layer spec, "
+                          f"which has no sequence-parallel norm: set {prefix}.sequence_parallel=false")
     if m.sequence_parallel and m.tensor_model_parallel_size == 1:
         raise ConfigError(f"{prefix}.sequence_parallel needs tensor_model_parallel_size > 1")
     return dp
@@ -144,6 +147,7 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     _choice(cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode")
     _choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
     _choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
+    _choice(rollout.weight_sync_transport, ("broadcast", "object_store"), "actor_rollout_ref.rollout.weight_sync_transport")
     _choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
     _choice(data.truncation, ("error", "left", "right"), "data.truncation")
     _choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")

@@ -7,9 +7,10 @@ Both are plain classes (no Ray import) whose methods declare how the driver's ar
 results gathered (:mod:`megarl.controller.dispatch`). Generation is data parallel over every rank (each
 rank holds a whole rollout replica, rollout TP=1); training is split by Megatron's data-parallel rank.
 With ``trainer.placement=separate`` the rollout replicas are ``RolloutWorker``s on their own pool and
-training rank 0 streams the gathered buckets to them through Ray's object store
-(:class:`ObjectStoreTransport`). Leaves out: rollout TP>1 across ranks, and NCCL weight broadcast to
-separate rollout GPUs (the object store path copies through host memory).
+training rank 0 streams the gathered buckets to them: by default broadcast over a process group of rank 0
+and the rollout workers (NCCL on GPUs, gloo on CPU; :class:`BroadcastTransport`), or through Ray's object
+store (host memory; :class:`ObjectStoreTransport`), per ``actor_rollout_ref.rollout.weight_sync_transport``.
+Leaves out: separate rollout replicas spanning several workers (rollout TP > 1 needs colocation).
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ class ActorRolloutRefWorker(_MegatronRole):
         self.rollout_dtype = _DTYPES[arr.rollout.dtype]
         self.bucket_bytes = arr.rollout.weight_sync_bucket_mb * 2**20
         self.rollout_peers: list = []  # separate placement: the rollout workers' actor handles
+        self.weight_group = None  # separate placement, broadcast transport, rank 0: the group with them
+        self.rollout_timeout_s = cfg.trainer.worker_timeout_s
         self.rollout = None
         self._actor_offloaded = None  # OffloadState while generation owns the device
         self._reference_offloaded = None
@@ -218,8 +221,13 @@ class ActorRolloutRefWorker(_MegatronRole):
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def attach_rollout_peers(self, peers: list) -> None:
-        """Separate placement: rank 0 streams every weight bucket to these rollout workers."""
+        """Separate placement: rank 0 streams every weight bucket to these rollout workers (and, with the
+        broadcast transport, opens the process group it broadcasts over)."""
         self.rollout_peers = list(peers)
+        rollout = self.cfg.actor_rollout_ref.rollout
+        if self.rank_info.rank == 0 and rollout.weight_sync_transport == "broadcast":
+            self.weight_group = open_weight_group(self.rollout_peers, self.context.device,
+                                                  self.cfg.trainer.worker_timeout_s)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def sync_weights(self) -> dict:
@@ -235,7 +243,10 @@ class ActorRolloutRefWorker(_MegatronRole):
         if self.rollout is not None:
             transport = ColocatedTransport(self.rollout)
         elif self.rollout_peers and self.rank_info.rank == 0:
-            transport = ObjectStoreTransport(self.rollout_peers)
+            if self.weight_group is not None:
+                transport = BroadcastTransport(self.rollout_peers, self.weight_group, self.rollout_timeout_s)
+            else:
+                transport = ObjectStoreTransport(self.rollout_peers, self.rollout_timeout_s)
         else:  # the other ranks take part in the gather collectives only
             transport = DiscardTransport()
         num_experts = self.bridge.dims.num_experts
@@ -381,25 +392,72 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
 
 
-class ObjectStoreTransport(WeightTransport):
-    """Separate placement: each bucket goes once into Ray's object store and every rollout worker loads it.
+class _RolloutPeersTransport(WeightTransport):
+    """Buckets from training rank 0 to the separate rollout workers; ``finish`` resets their caches."""
+
+    def __init__(self, peers: list, timeout_s: float):
+        self.peers, self.timeout_s = peers, timeout_s
+
+    def _on_every_peer(self, method: str, *args):
+        return [peer.execute.remote(method, *args) for peer in self.peers]
+
+    def _wait(self, pending: list) -> None:
+        import ray
+
+        ray.get(pending, timeout=self.timeout_s)
+
+    def finish(self) -> None:
+        self._wait(self._on_every_peer("finish_weight_update"))
+
+
+class ObjectStoreTransport(_RolloutPeersTransport):
+    """Each bucket goes once into Ray's object store (host memory) and every rollout worker loads it.
 
     Waiting for all workers before the next bucket keeps the extra memory at one bucket.
     """
 
-    def __init__(self, peers: list):
-        self.peers = peers
-
     def send(self, bucket) -> None:
         import ray
 
-        ref = ray.put(bucket)
-        ray.get([peer.execute.remote("load_weight_bucket", ref) for peer in self.peers])
+        self._wait(self._on_every_peer("load_weight_bucket", ray.put(bucket)))
 
-    def finish(self) -> None:
-        import ray
 
-        ray.get([peer.execute.remote("finish_weight_update") for peer in self.peers])
+class BroadcastTransport(_RolloutPeersTransport):
+    """Each bucket is broadcast as one flat buffer over the weight group (:mod:`megarl.weight_sync.broadcast`);
+    its layout goes ahead by RPC. Device to device with NCCL; one bucket of extra memory per side."""
+
+    def __init__(self, peers: list, group, timeout_s: float):
+        super().__init__(peers, timeout_s)
+        self.group = group
+
+    def send(self, bucket) -> None:
+        from megarl.weight_sync.broadcast import broadcast_from_root, bucket_layout, pack_bucket
+
+        layout = bucket_layout(bucket)
+        buffer = pack_bucket(bucket, layout, bucket[0][1].device)
+        pending = self._on_every_peer("receive_weight_bucket", layout)
+        broadcast_from_root(self.group, buffer)
+        self._wait(pending)
+
+
+def open_weight_group(peers: list, device: str, timeout_s: float):
+    """On training rank 0: the weight group of this process (its root) and ``peers`` (ranks 1..N)."""
+    import socket
+
+    import ray
+
+    from megarl.weight_sync.broadcast import create_group
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+    world = len(peers) + 1
+    joins = [peer.execute.remote("join_weight_group", host, port, rank, world, timeout_s)
+             for rank, peer in enumerate(peers, start=1)]
+    group = create_group(host, port, 0, world, device, timeout_s)
+    ray.get(joins, timeout=timeout_s)
+    return group
 
 
 class RolloutWorker:
@@ -423,6 +481,19 @@ class RolloutWorker:
 
     def load_weight_bucket(self, bucket) -> None:
         self.engine.update_weights(bucket)
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        from megarl.weight_sync.broadcast import create_group
+
+        self.weight_group = create_group(host, port, rank, world_size, self.context.device, timeout_s)
+
+    def receive_weight_bucket(self, layout) -> None:
+        from megarl.weight_sync.broadcast import broadcast_from_root, buffer_bytes, unpack_bucket
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.context.device == "cuda" else "cpu"
+        buffer = torch.empty(buffer_bytes(layout), dtype=torch.uint8, device=device)
+        broadcast_from_root(self.weight_group, buffer)
+        self.engine.update_weights(unpack_bucket(buffer, layout))
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()

@@ -2,8 +2,9 @@
 
 A transport receives HF-named buckets on the trainer side and gets them into a rollout engine. The
 colocated transport is the hybrid-engine case: the rollout engine lives in the same worker process as
-the Megatron shard, so a bucket is handed to ``engine.update_weights`` directly. Transports between
-processes live in their own modules (:mod:`megarl.weight_sync.broadcast`).
+the Megatron shard, so a bucket is handed to ``engine.update_weights`` directly. Between processes
+(separate placement) the controller's transports carry buckets over a broadcast group
+(:mod:`megarl.weight_sync.broadcast`) or Ray's object store.
 """
 
 from __future__ import annotations

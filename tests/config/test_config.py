@@ -58,6 +58,10 @@ def test_overrides_are_typed(tmp_path):
     ("trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.context_parallel_size=2 "
      "actor_rollout_ref.model.layer_spec=te",
      r"actor_rollout_ref.actor.megatron.context_parallel_size=2 runs on the local layer spec's SDPA attention"),
+    ("trainer.n_gpus_per_node=4 actor_rollout_ref.actor.megatron.context_parallel_size=2 "
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2 actor_rollout_ref.actor.megatron.sequence_parallel=true",
+     r"context_parallel_size=2 runs on the local layer spec, which has no sequence-parallel norm: set "
+     r"actor_rollout_ref.actor.megatron.sequence_parallel=false"),
     ("trainer.n_gpus_per_node=2 actor_rollout_ref.actor.megatron.context_parallel_size=2 "
      "actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=19",
      r"ppo_max_token_len_per_gpu=19 is smaller than the longest possible row: .* = 40 \(context_parallel_size=2: "

@@ -101,13 +101,19 @@ def test_algorithm_variants_train_in_process(tmp_path, overrides):
 
 
 @pytest.mark.timeout(600)
-def test_separate_placement_streams_weights_to_rollout_workers(tmp_path):
-    """Training on one process, rollout on another: weights travel bucket by bucket through Ray."""
+@pytest.mark.parametrize("transport", ["broadcast", "object_store"])
+def test_separate_placement_streams_weights_to_rollout_workers(tmp_path, transport):
+    """Training on one process, rollout on two others: weights travel bucket by bucket, broadcast over a
+    gloo group of their own or through Ray's object store. The rollout workers' log-probs of what they
+    sampled equal the trainer's (fp32), so every step's weights arrived whole."""
     history = _run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.placement=separate",
-                           "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",
-                           "actor_rollout_ref.rollout.weight_sync_bucket_mb=1"))
+                           "trainer.n_gpus_per_node=3", "trainer.rollout_gpus=2",
+                           "actor_rollout_ref.rollout.weight_sync_bucket_mb=1",
+                           f"actor_rollout_ref.rollout.weight_sync_transport={transport}"))
     assert [h["step"] for h in history] == [1, 2]
     assert history[-1]["weight_sync/bytes"] > 1e6 and history[-1]["weight_sync/buckets"] > 1
+    for step in history:
+        assert step["rollout/log_prob_diff_max"] < 1e-4, (step["step"], step["rollout/log_prob_diff_max"])
 
 
 @pytest.mark.timeout(400)
