@@ -81,7 +81,7 @@ def test_shard_pads_rows_and_takes_labels_before_the_split():
 
 # ---------------------------------------------------------------------------------------------- engines
 
-def _world(rank, tp, cp, prompt_len, response_len):
+def _world(rank, tp, cp, prompt_len, response_len, layouts=("padded", "packed", "budget")):
     from megatron.core.optimizer import OptimizerConfig
 
     from megarl.engines.megatron.actor import ActorEngine
@@ -91,10 +91,11 @@ def _world(rank, tp, cp, prompt_len, response_len):
     from tests.engines.megatron.tiny_setup import gpt_provider, synthetic_batch, tiny_config
 
     initialize_megatron_parallel(layout=ParallelLayout(tensor_parallel=tp, context_parallel=cp), seed=3)
-    layouts = {"padded": MicroBatching(), "packed": MicroBatching(sequence_packing=True),
+    choices = {"padded": MicroBatching(), "packed": MicroBatching(sequence_packing=True),
                "budget": MicroBatching(sequence_packing=True, max_tokens_per_micro_batch=24 // cp)}
     out = {}
-    for name, micro_batching in layouts.items():
+    for name in layouts:
+        micro_batching = choices[name]
         def build(engine):
             config = tiny_config(tp=tp)
             config.context_parallel_size = cp
@@ -134,17 +135,23 @@ def _assert_equal_runs(got: dict, want: dict, label: str, cp: int):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("prompt_len,response_len", [(6, 6), (5, 6)])  # S=12, and S=11 (padded to 12)
-def test_cp2_engines_equal_cp1(prompt_len, response_len):
-    (reference,) = run_distributed(_world, 1, 1, 1, prompt_len, response_len)
-    results = run_distributed(_world, 2, 1, 2, prompt_len, response_len)
-    for rank, got in enumerate(results):
+def test_cp2_engines_equal_cp1():
+    (reference,) = run_distributed(_world, 1, 1, 1, 6, 6)
+    for rank, got in enumerate(run_distributed(_world, 2, 1, 2, 6, 6)):
+        _assert_equal_runs(got, reference, f"cp=2 rank {rank}", cp=2)
+
+
+@pytest.mark.timeout(400)
+def test_cp2_pads_rows_to_a_multiple_of_2cp():
+    # P + R = 11: padded rows are extended to 12 columns (packed segments are padded in every test)
+    (reference,) = run_distributed(_world, 1, 1, 1, 5, 6, ("padded",))
+    for rank, got in enumerate(run_distributed(_world, 2, 1, 2, 5, 6, ("padded",))):
         _assert_equal_runs(got, reference, f"cp=2 rank {rank}", cp=2)
 
 
 @pytest.mark.timeout(500)
 def test_tp2_cp2_engines_equal_tp1_cp1():
-    (reference,) = run_distributed(_world, 1, 1, 1, 6, 6)
-    results = run_distributed(_world, 4, 2, 2, 6, 6, timeout_s=450)
+    (reference,) = run_distributed(_world, 1, 1, 1, 6, 6, ("padded", "packed"))
+    results = run_distributed(_world, 4, 2, 2, 6, 6, ("padded", "packed"), timeout_s=450)
     for rank, got in enumerate(results):
         _assert_equal_runs(got, reference, f"tp=2 cp=2 rank {rank}", cp=2)
