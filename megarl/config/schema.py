@@ -194,6 +194,8 @@ class TrainerConfig:
     total_epochs: int = 1
     total_training_steps: Optional[int] = None  # defaults to epochs x batches per epoch
     save_freq: int = -1  # steps between checkpoints; -1 = never
+    # also write the actor as a Hugging Face checkpoint (safetensors + tokenizer) into each checkpoint's actor_hf/
+    save_hf: bool = False
     test_freq: int = -1  # steps between validations; -1 = never
     val_before_train: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"

@@ -229,6 +229,10 @@ class ActorRolloutRefWorker(_MegatronRole):
             self.weight_group = open_weight_group(self.rollout_peers, self.context.device,
                                                   self.cfg.trainer.worker_timeout_s)
 
+    def _num_local_experts(self) -> Optional[int]:
+        num_experts = self.bridge.dims.num_experts
+        return num_experts // self.layout.expert_parallel if num_experts else None
+
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def sync_weights(self) -> dict:
         from megarl.engines.megatron.offload import reload_engine
@@ -249,11 +253,8 @@ class ActorRolloutRefWorker(_MegatronRole):
                 transport = ObjectStoreTransport(self.rollout_peers, self.rollout_timeout_s)
         else:  # the other ranks take part in the gather collectives only
             transport = DiscardTransport()
-        num_experts = self.bridge.dims.num_experts
-        stats = sync_weights(
-            self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes, dtype=self.rollout_dtype,
-            num_local_experts=num_experts // self.layout.expert_parallel if num_experts else None,
-        )
+        stats = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
+                             dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
         if self.rollout is not None:
             self._enter_rollout_mode()  # generation comes next
         return stats.as_metrics()
@@ -307,6 +308,19 @@ class ActorRolloutRefWorker(_MegatronRole):
 
         self._enter_train_mode()
         return load_checkpoint(self.actor, root)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def save_hf(self, out_dir: str) -> dict:
+        """The actor as a Hugging Face checkpoint in ``out_dir``, in its parameters' dtype: every rank takes
+        part in the gather, rank 0 writes."""
+        from megarl.weight_sync import DiscardTransport, sync_weights
+        from megarl.weight_sync.hf_writer import HFCheckpointWriter
+
+        self._enter_train_mode()
+        writer = (HFCheckpointWriter(out_dir, source_dir=self.model_path) if self.rank_info.rank == 0
+                  else DiscardTransport())
+        return sync_weights(self.actor.model, self.bridge, writer, bucket_bytes=self.bucket_bytes,
+                            dtype=self.params_dtype, num_local_experts=self._num_local_experts()).as_metrics("hf_export")
 
 
 class CriticWorker(_MegatronRole):

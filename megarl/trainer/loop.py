@@ -237,6 +237,8 @@ class RLTrainer:
         step = self.state.step
         staging = self.checkpoints.begin(step)
         self.actor.call("save_checkpoint", str(staging / "actor"))
+        if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
+            self.actor.call("save_hf", str(staging / "actor_hf"))
         if self.critic is not None:
             self.critic.call("save_checkpoint", str(staging / "critic"))
         self.checkpoints.commit(step, staging, {

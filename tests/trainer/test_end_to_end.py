@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from megarl.config import load_config
 from megarl.trainer.metrics import read_jsonl_metrics
@@ -149,12 +150,26 @@ def test_sequence_packing_with_token_budgets_trains_like_padded_rows(tmp_path):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
+def _assert_trained_hf_export(export_dir: Path) -> None:
+    """``export_dir`` loads with transformers (model and tokenizer) and holds weights the run changed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.models.embedded import resolve_model_path
+
+    exported = AutoModelForCausalLM.from_pretrained(export_dir)
+    initial = AutoModelForCausalLM.from_pretrained(resolve_model_path("embedded:tiny-qwen2"))
+    assert AutoTokenizer.from_pretrained(export_dir)("12+3=").input_ids
+    changed = [name for name, value in exported.state_dict().items()
+               if not torch.equal(value, initial.state_dict()[name])]
+    assert len(changed) > len(exported.state_dict()) // 2, changed
+
+
 @pytest.mark.timeout(600)
 def test_context_parallel_ppo_trains_and_scores_like_the_rollout(tmp_path):
     """Actor, reference and critic with each sequence split over two CP ranks (packed, token budgets,
-    checkpoint saved and resumed): the trainer's recomputed log-probs of the sampled tokens must equal the HF rollout
+    checkpoint saved with an HF export, and resumed): the trainer's recomputed log-probs of the sampled tokens must equal the HF rollout
     engine's (both fp32, and the CP split must not change them), and the critic must train."""
-    cp = ("trainer.n_gpus_per_node=2", "trainer.save_freq=2", "actor_rollout_ref.actor.use_kl_loss=true",
+    cp = ("trainer.n_gpus_per_node=2", "trainer.save_freq=2", "trainer.save_hf=true", "actor_rollout_ref.actor.use_kl_loss=true",
           "actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2",
           "actor_rollout_ref.model.use_sequence_packing=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=128", "critic.ppo_max_token_len_per_gpu=128")
@@ -165,6 +180,7 @@ def test_context_parallel_ppo_trains_and_scores_like_the_rollout(tmp_path):
         assert all(v == v for v in step.values()), "NaN metric"
     assert "critic/vf_loss" in history[-1] and "actor/kl_loss" in history[-1]
     assert (tmp_path / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
+    _assert_trained_hf_export(tmp_path / "checkpoints" / "global_step_2" / "actor_hf")
     resumed = _run(_config(tmp_path, "trainer.total_training_steps=3", *cp, recipe="ppo_tiny.yaml"))
     assert [h["step"] for h in resumed] == [3]  # the CP checkpoint loads back into the CP layout
     assert resumed[0]["rollout/log_prob_diff_max"] < 1e-4

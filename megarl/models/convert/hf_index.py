@@ -16,6 +16,22 @@ from megarl.models.convert.safetensors_stream import TensorLocation, read_safete
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_ASSET_MAX_BYTES = 64 * 1024 * 1024
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+def hf_asset_names(hf_dir: str | os.PathLike) -> list[str]:
+    """The small non-weight files of an HF model directory (config, tokenizer, generation config, chat
+    template) that travel with converted or exported weights."""
+    hf_dir = os.fspath(hf_dir)
+    names = []
+    for name in sorted(os.listdir(hf_dir)):
+        path = os.path.join(hf_dir, name)
+        if (not os.path.isfile(path) or name.endswith(_WEIGHT_SUFFIXES) or name == INDEX_FILE
+                or ".tmp-" in name or os.path.getsize(path) > _ASSET_MAX_BYTES):
+            continue
+        names.append(name)
+    return names
 
 
 def index_hf_safetensors(hf_dir: str | os.PathLike) -> dict[str, TensorLocation]:

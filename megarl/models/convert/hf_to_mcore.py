@@ -32,7 +32,7 @@ import torch
 from megarl.models import mcore_checkpoint as fmt
 from megarl.models.convert.execution import OutputFile, Task, hash_plan, note_tensor_written, run_tasks
 from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blockwise, fp8_block_size
-from megarl.models.convert.hf_index import INDEX_FILE, index_hf_safetensors
+from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
 from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
 from megarl.models.convert.safetensors_stream import (
     PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_tensor,
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 # Sources + fused full tensor + TP shards are alive together while one parameter is converted.
 TRANSIENT_COPIES = 3
-_ASSET_MAX_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -208,16 +207,11 @@ def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
 
 def _copy_hf_assets(hf_dir: str, out_dir: str) -> list[str]:
     """Tokenizer / generation config files travel with the checkpoint so mcore_to_hf can restore them."""
-    copied = []
+    copied = hf_asset_names(hf_dir)
     target = os.path.join(out_dir, fmt.HF_ASSETS_DIR)
-    for name in sorted(os.listdir(hf_dir)):
-        path = os.path.join(hf_dir, name)
-        if (not os.path.isfile(path) or name.endswith(".safetensors") or name == INDEX_FILE
-                or ".tmp-" in name or os.path.getsize(path) > _ASSET_MAX_BYTES):
-            continue
+    for name in copied:
         os.makedirs(target, exist_ok=True)
-        shutil.copyfile(path, os.path.join(target, name))
-        copied.append(name)
+        shutil.copyfile(os.path.join(hf_dir, name), os.path.join(target, name))
     return copied
 
 
