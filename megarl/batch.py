@@ -81,3 +81,22 @@ def select_rows(batch, index: torch.Tensor | list[int] | slice):
         else:
             picked[f.name] = value
     return type(batch)(**picked)
+
+
+def concat_rows(batches: list):
+    """Batches of one dataclass and width, stacked row-wise (tensors concatenated on dim 0, lists joined;
+    a field that is None in every batch stays None)."""
+    if not batches:
+        raise ValueError("concat_rows needs at least one batch")
+    joined = {}
+    for f in dataclasses.fields(batches[0]):
+        values = [getattr(b, f.name) for b in batches]
+        if all(v is None for v in values):
+            joined[f.name] = None
+        elif all(isinstance(v, torch.Tensor) for v in values):
+            joined[f.name] = torch.cat(values)
+        elif all(isinstance(v, list) for v in values):
+            joined[f.name] = [item for v in values for item in v]
+        else:
+            raise ValueError(f"field {f.name!r} is set in some batches and not in others")
+    return type(batches[0])(**joined)

@@ -18,6 +18,7 @@ from megarl.algorithms.advantages import (
     register_advantage,
 )
 from megarl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
+from megarl.algorithms.dynamic_sampling import first_groups, overlong_penalty, rows_of_informative_groups
 from megarl.algorithms.entropy import add_entropy_bonus, entropy_from_logits
 from megarl.algorithms.kl import (
     KL_ESTIMATORS,
@@ -40,11 +41,11 @@ from megarl.algorithms.value_loss import compute_value_loss, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
-    "AdaptiveKLController",
-    "FixedKLController",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
     "Registry",
     "add_entropy_bonus",
     "aggregate_loss",
@@ -61,6 +62,7 @@ __all__ = [
     "compute_rloo_advantages",
     "compute_value_loss",
     "entropy_from_logits",
+    "first_groups",
     "get_advantage_estimator",
     "get_policy_loss",
     "kl_penalty",
@@ -68,8 +70,10 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "register_advantage",
     "register_kl_estimator",
     "register_policy_loss",
+    "rows_of_informative_groups",
     "value_loss",
 ]

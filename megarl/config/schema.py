@@ -162,10 +162,21 @@ class CustomRewardConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment: responses in the last ``len`` tokens before data.max_response_length
+    lose up to ``penalty_factor`` of score, linearly."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     reward_manager: str = "naive"
     on_error: str = "fail"  # fail | zero
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -177,6 +188,15 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: keep only groups whose scores differ, generate until train_batch_size remain."""
+
+    enable: bool = False
+    metric: str = "score"  # score: the reward function's sequence score (after overlong shaping)
+    max_num_gen_batches: int = 10  # generation rounds per step before failing; 0 = no limit
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | ... | remax | opo
     gamma: float = 1.0
@@ -185,6 +205,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass

@@ -147,6 +147,19 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     _choice(cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode")
     _choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
     _choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
+    _choice(cfg.algorithm.filter_groups.metric, ("score",), "algorithm.filter_groups.metric")
+    if cfg.algorithm.filter_groups.max_num_gen_batches < 0:
+        raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "
+                          f"{cfg.algorithm.filter_groups.max_num_gen_batches}")
+    if cfg.algorithm.filter_groups.enable and rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups.enable keeps groups whose scores differ: it needs "
+                          f"actor_rollout_ref.rollout.n >= 2, got {rollout.n}")
+    overlong = cfg.reward_model.overlong_buffer
+    if overlong.enable and not 0 < overlong.len <= data.max_response_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len={overlong.len} must be in (0, data.max_response_length="
+                          f"{data.max_response_length}]")
+    if overlong.enable and overlong.penalty_factor < 0:
+        raise ConfigError(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {overlong.penalty_factor}")
     _choice(rollout.weight_sync_transport, ("broadcast", "object_store"), "actor_rollout_ref.rollout.weight_sync_transport")
     _choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
     _choice(data.truncation, ("error", "left", "right"), "data.truncation")

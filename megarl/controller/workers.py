@@ -5,7 +5,8 @@ needs it, a frozen reference copy) plus a rollout engine replica, sharing the ra
 is in-process (:class:`megarl.weight_sync.ColocatedTransport`). ``CriticWorker`` holds the value model.
 Both are plain classes (no Ray import) whose methods declare how the driver's arguments are split and
 results gathered (:mod:`megarl.controller.dispatch`). Generation is data parallel over every rank (each
-rank holds a whole rollout replica, rollout TP=1); training is split by Megatron's data-parallel rank.
+rank holds a whole rollout replica, or with vLLM TP > 1 a replica spans consecutive ranks); training is
+split by Megatron's data-parallel rank.
 With ``trainer.placement=separate`` the rollout replicas are ``RolloutWorker``s on their own pool and
 training rank 0 streams the gathered buckets to them: by default broadcast over a process group of rank 0
 and the rollout workers (NCCL on GPUs, gloo on CPU; :class:`BroadcastTransport`), or through Ray's object

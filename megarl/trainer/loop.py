@@ -20,13 +20,15 @@ from typing import Optional
 import torch
 
 from megarl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_in_reward, get_advantage_estimator
+from megarl.algorithms.dynamic_sampling import first_groups, overlong_penalty, rows_of_informative_groups
 from megarl.algorithms.masked import masked_mean
-from megarl.batch import RolloutBatch, TrainBatch
+from megarl.batch import RolloutBatch, TrainBatch, concat_rows, select_rows
 from megarl.config.schema import MegarlConfig
 from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
+from megarl.rewards import place_scores_on_last_token
 from megarl.trainer.rollout_assembly import assemble_rollout_batch, score_rollout, unpadded_prompts
 
 
@@ -104,13 +106,7 @@ class RLTrainer:
         cfg, arr = self.cfg, self.cfg.actor_rollout_ref
         metrics: dict[str, float] = {}
         with timed("step", metrics):
-            prompts = self.train_loader.next_batch()
-            with timed("gen", metrics):
-                rollout = self.generate(prompts, self.train_sampling(step))
-            batch = TrainBatch.from_rollout(rollout)
-            with timed("reward", metrics):
-                batch.token_level_scores, scores, reward_metrics = score_rollout(
-                    self.reward_manager, self.tokenizer, batch)
+            batch, scores, reward_metrics = self.sample_batch(step, metrics)
             with timed("old_log_prob", metrics):
                 actor_out = self.actor.call("compute_log_probs", batch)
                 batch.old_log_probs, entropy = actor_out.log_probs, actor_out.entropy
@@ -137,12 +133,65 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ stages
-    def train_sampling(self, step: int) -> SamplingConfig:
+    def sample_batch(self, step: int, metrics: dict) -> tuple[TrainBatch, torch.Tensor, dict]:
+        """Generate and score ``data.train_batch_size`` prompts' responses. With dynamic sampling
+        (``algorithm.filter_groups``) only groups whose scores differ are kept, and more prompts are
+        generated until ``train_batch_size`` such groups are there (the first ones are used)."""
+        filtering = self.cfg.algorithm.filter_groups
+        wanted = self.cfg.data.train_batch_size
+        kept: list[tuple[TrainBatch, torch.Tensor]] = []
+        reward_metrics: dict = {}
+        generated_groups = kept_groups = 0
+        for round_index in range(filtering.max_num_gen_batches or 2**31):
+            prompts = self.train_loader.next_batch()
+            with timed("gen", metrics):
+                rollout = self.generate(prompts, self.train_sampling(step, round_index))
+            batch = TrainBatch.from_rollout(rollout)
+            with timed("reward", metrics):
+                scores, round_metrics = self.score_for_training(batch)
+            reward_metrics = reward_metrics or round_metrics  # the first round: the unfiltered distribution
+            if not filtering.enable:
+                return batch, scores, reward_metrics
+            batch.group_ids = [f"{group}#{round_index}" for group in batch.group_ids]  # a prompt may recur
+            rows = rows_of_informative_groups(batch.group_ids, scores)
+            generated_groups += len(set(batch.group_ids))
+            kept_groups += len({batch.group_ids[r] for r in rows})
+            kept.append((select_rows(batch, rows), scores[rows]))
+            if kept_groups >= wanted:
+                break
+        else:
+            raise RuntimeError(
+                f"algorithm.filter_groups: {filtering.max_num_gen_batches} generation rounds "
+                f"(algorithm.filter_groups.max_num_gen_batches) gave {kept_groups} of the {wanted} groups with "
+                f"differing scores that data.train_batch_size asks for: the prompts are too easy or too hard "
+                f"for the policy; raise max_num_gen_batches (0 = no limit) or change the data")
+        batch = concat_rows([b for b, _ in kept])
+        scores = torch.cat([s for _, s in kept])
+        rows = first_groups(batch.group_ids, wanted)
+        metrics["filter_groups/gen_batches"] = float(round_index + 1)
+        metrics["filter_groups/kept_group_fraction"] = kept_groups / max(generated_groups, 1)
+        return select_rows(batch, rows), scores[rows], reward_metrics
+
+    def score_for_training(self, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
+        """Sequence scores (with the overlong penalty when configured), also set as the batch's
+        token-level scores."""
+        batch.token_level_scores, scores, reward_metrics = score_rollout(self.reward_manager, self.tokenizer, batch)
+        overlong = self.cfg.reward_model.overlong_buffer
+        if overlong.enable:
+            penalty = overlong_penalty(batch.response_lengths, max_response_length=self.cfg.data.max_response_length,
+                                       buffer_length=overlong.len, penalty_factor=overlong.penalty_factor)
+            scores = scores + penalty
+            batch.token_level_scores = place_scores_on_last_token(scores, batch.response_mask)
+            reward_metrics = {**reward_metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
+        return scores, reward_metrics
+
+    def train_sampling(self, step: int, round_index: int = 0) -> SamplingConfig:
         r = self.cfg.actor_rollout_ref.rollout
         return SamplingConfig(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             max_tokens=self.cfg.data.max_response_length, stop=tuple(r.stop),
-            seed=self.cfg.trainer.seed * 1_000_003 + step,  # per step, so a resumed run samples the same
+            # per step (and generation round), so a resumed run samples the same
+            seed=self.cfg.trainer.seed * 1_000_003 + step + round_index * 1_000_000_007,
             logprobs=True,  # the sampled tokens' log-probs: checked against the trainer's (rollout/log_prob_diff_*)
         )
 

@@ -101,6 +101,31 @@ def test_algorithm_variants_train_in_process(tmp_path, overrides):
         assert "actor/kl_loss" in last
 
 
+@pytest.mark.timeout(300)
+def test_dapo_dynamic_sampling_and_overlong_shaping_train(tmp_path):
+    """DAPO: clip-higher, token-mean loss, groups without a score spread dropped and more prompts generated
+    until train_batch_size groups remain, soft overlong penalty in the last 2 of 4 response tokens."""
+    dapo = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0",
+            "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2",
+            "reward_model.overlong_buffer.penalty_factor=0.1", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+            "actor_rollout_ref.actor.loss_agg_mode=token-mean")
+    history = _run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.backend=inprocess", *dapo))
+    assert [h["step"] for h in history] == [1, 2]
+    for step in history:
+        assert step["filter_groups/gen_batches"] >= 1
+        assert 0 < step["filter_groups/kept_group_fraction"] <= 1
+        assert -0.1 <= step["reward/overlong_penalty/mean"] <= 0
+        assert all(v == v for v in step.values()), "NaN metric"
+
+
+def test_dynamic_sampling_names_the_knob_when_rounds_run_out(tmp_path):
+    # A policy that always answers the same way scores every response of a group alike: nothing is kept.
+    with pytest.raises(Exception, match=r"algorithm.filter_groups.max_num_gen_batches\) gave 0 of the 16 groups"):
+        _run(_config(tmp_path, "trainer.total_training_steps=1", "trainer.backend=inprocess",
+                     "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
+                     "actor_rollout_ref.rollout.temperature=0.0"))
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["broadcast", "object_store"])
 def test_separate_placement_streams_weights_to_rollout_workers(tmp_path, transport):
