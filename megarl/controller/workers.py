@@ -314,12 +314,15 @@ class ActorRolloutRefWorker(_MegatronRole):
     def save_hf(self, out_dir: str) -> dict:
         """The actor as a Hugging Face checkpoint in ``out_dir``, in its parameters' dtype: every rank takes
         part in the gather, rank 0 writes."""
+        from megarl.models.embedded import resolve_model_path
         from megarl.weight_sync import DiscardTransport, sync_weights
         from megarl.weight_sync.hf_writer import HFCheckpointWriter
 
         self._enter_train_mode()
-        writer = (HFCheckpointWriter(out_dir, source_dir=self.model_path) if self.rank_info.rank == 0
-                  else DiscardTransport())
+        tokenizer = self.cfg.actor_rollout_ref.model.tokenizer_path
+        writer = (HFCheckpointWriter(out_dir, source_dir=self.model_path,
+                                     tokenizer_dir=str(resolve_model_path(tokenizer)) if tokenizer else None)
+                  if self.rank_info.rank == 0 else DiscardTransport())
         return sync_weights(self.actor.model, self.bridge, writer, bucket_bytes=self.bucket_bytes,
                             dtype=self.params_dtype, num_local_experts=self._num_local_experts()).as_metrics("hf_export")
 

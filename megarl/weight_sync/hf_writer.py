@@ -31,10 +31,13 @@ def _write_json(path: Path, data: dict) -> None:
 
 class HFCheckpointWriter(WeightTransport):
     def __init__(self, out_dir: str | os.PathLike, *, source_dir: str | os.PathLike,
-                 max_shard_bytes: int = 2 * 10**9):
+                 tokenizer_dir: str | os.PathLike | None = None, max_shard_bytes: int = 2 * 10**9):
+        """``source_dir``: the HF model trained from (config and assets); ``tokenizer_dir``: where the
+        tokenizer files come from when they are not in ``source_dir``."""
         if max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.out_dir, self.source_dir = Path(out_dir), Path(source_dir)
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
         if (self.out_dir / INDEX_FILE).exists():
             raise FileExistsError(f"{self.out_dir / INDEX_FILE} exists: {self.out_dir} already holds a checkpoint")
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -71,17 +74,18 @@ class HFCheckpointWriter(WeightTransport):
             self._write_shard()
         if not self._weight_map:
             raise ValueError("no tensors were exported")
-        for name in hf_asset_names(self.source_dir):
-            if name != "config.json":
-                shutil.copyfile(self.source_dir / name, self.out_dir / name)
+        for directory in [self.source_dir] + ([self.tokenizer_dir] if self.tokenizer_dir else []):
+            for name in hf_asset_names(directory):
+                if name != "config.json":  # a tokenizer directory's wins: it is what the run used
+                    shutil.copyfile(directory / name, self.out_dir / name)
         config = json.loads((self.source_dir / "config.json").read_text())
         config.pop("quantization_config", None)  # the exported weights are plain floats
         floats = [_DTYPE_NAMES[d] for d in self._dtypes if d in _DTYPE_NAMES]
         if floats:
             dtype = "bfloat16" if "bfloat16" in floats else sorted(floats)[0]
-            for key in ("torch_dtype", "dtype"):
-                if key in config or key == "torch_dtype":
-                    config[key] = dtype
+            config["torch_dtype"] = dtype
+            if "dtype" in config:  # the newer transformers name
+                config["dtype"] = dtype
         _write_json(self.out_dir / "config.json", config)
         _write_json(self.out_dir / INDEX_FILE, {"metadata": {"total_size": self._total_bytes},
                                                 "weight_map": self._weight_map})

@@ -58,14 +58,17 @@ def test_exported_checkpoint_loads_in_transformers_with_the_trainers_logits(tmp_
     assert (exported - hf_logits(hf_dir, tokens)).abs().max() > 1e-2  # the export holds the changed weights
 
 
-def test_export_refuses_a_finished_directory_and_writes_the_index_last(tmp_path):
+def test_export_writes_the_index_last_takes_tokenizer_files_and_refuses_a_finished_directory(tmp_path):
     from megarl.weight_sync.hf_writer import HFCheckpointWriter
 
     source = tmp_path / "source"
     source.mkdir()
     (source / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "bfloat16",
                                                     "quantization_config": {"quant_method": "fp8"}}))
-    writer = HFCheckpointWriter(tmp_path / "out", source_dir=source, max_shard_bytes=1)
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    writer = HFCheckpointWriter(tmp_path / "out", source_dir=source, tokenizer_dir=tokenizer, max_shard_bytes=1)
     writer.send([("a.weight", torch.ones(2)), ("b.weight", torch.zeros(3))])
     assert not (tmp_path / "out" / "model.safetensors.index.json").exists()  # not loadable until finish
     with pytest.raises(ValueError, match="a.weight was exported twice"):
@@ -73,5 +76,6 @@ def test_export_refuses_a_finished_directory_and_writes_the_index_last(tmp_path)
     writer.finish()
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["torch_dtype"] == "float32" and "quantization_config" not in config
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"  # from the tokenizer directory
     with pytest.raises(FileExistsError, match="already holds a checkpoint"):
         HFCheckpointWriter(tmp_path / "out", source_dir=source)
