@@ -127,11 +127,11 @@ def test_dynamic_sampling_names_the_knob_when_rounds_run_out(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("transport", ["broadcast", "object_store"])
-def test_separate_placement_streams_weights_to_rollout_workers(tmp_path, transport):
+def test_separate_placement_streams_weights_to_rollout_workers(tmp_path, transport="broadcast"):
     """Training on one process, rollout on two others: weights travel bucket by bucket, broadcast over a
-    gloo group of their own or through Ray's object store. The rollout workers' log-probs of what they
-    sampled equal the trainer's (fp32), so every step's weights arrived whole."""
+    gloo group of their own (the object-store transport runs in tests/bench/test_transport_bench.py). The
+    rollout workers' log-probs of what they sampled equal the trainer's (fp32), so every step's weights
+    arrived whole."""
     history = _run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.placement=separate",
                            "trainer.n_gpus_per_node=3", "trainer.rollout_gpus=2",
                            "actor_rollout_ref.rollout.weight_sync_bucket_mb=1",
