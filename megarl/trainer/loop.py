@@ -26,9 +26,9 @@ from megarl.batch import RolloutBatch, TrainBatch, concat_rows, select_rows
 from megarl.config.schema import MegarlConfig
 from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
+from megarl.rewards import place_scores_on_last_token
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
-from megarl.rewards import place_scores_on_last_token
 from megarl.trainer.rollout_assembly import assemble_rollout_batch, score_rollout, unpadded_prompts
 
 
