@@ -449,18 +449,33 @@ class BroadcastTransport(_RolloutPeersTransport):
         self.group = group
 
     def send(self, bucket) -> None:
-        from megarl.weight_sync.broadcast import broadcast_from_root, bucket_layout, pack_bucket
+        import time
+
+        import ray
+
+        from megarl.weight_sync.broadcast import bucket_layout, pack_bucket, start_broadcast
 
         layout = bucket_layout(bucket)
         buffer = pack_bucket(bucket, layout, bucket[0][1].device)
         pending = self._on_every_peer("receive_weight_bucket", layout)
-        broadcast_from_root(self.group, buffer)
+        work = start_broadcast(self.group, buffer)
+        # A receiver that died or failed never joins the collective: its RPC's error is the reason to
+        # stop, instead of blocking in the broadcast until the group's timeout.
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            finished, _ = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+            ray.get(finished)  # raises the first receiver error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight broadcast of {len(layout)} tensors did not finish within "
+                                   f"{self.timeout_s:.0f}s (trainer.worker_timeout_s)")
+        work.wait()
         self._wait(pending)
 
 
 def open_weight_group(peers: list, device: str, timeout_s: float):
     """On training rank 0: the weight group of this process (its root) and ``peers`` (ranks 1..N)."""
     import socket
+    import threading
 
     import ray
 
@@ -473,9 +488,26 @@ def open_weight_group(peers: list, device: str, timeout_s: float):
     world = len(peers) + 1
     joins = [peer.execute.remote("join_weight_group", host, port, rank, world, timeout_s)
              for rank, peer in enumerate(peers, start=1)]
-    group = create_group(host, port, 0, world, device, timeout_s)
+    # Joining blocks until every member is there: wait in a thread and watch the peers' joins, so a peer
+    # that fails to join ends this at once with its error instead of at the group's timeout.
+    # (A daemon thread: one left blocked must not keep the process from exiting.)
+    outcome: dict = {}
+
+    def join_as_root():
+        try:
+            outcome["group"] = create_group(host, port, 0, world, device, timeout_s)
+        except BaseException as err:  # handed to the caller below
+            outcome["error"] = err
+
+    joining = threading.Thread(target=join_as_root, name="weight-group-join", daemon=True)
+    joining.start()
+    while joining.is_alive():
+        finished, _ = ray.wait(joins, num_returns=len(joins), timeout=0.1)
+        ray.get(finished)
+    if "error" in outcome:
+        raise outcome["error"]
     ray.get(joins, timeout=timeout_s)
-    return group
+    return outcome["group"]
 
 
 class RolloutWorker:

@@ -66,7 +66,13 @@ def create_group(host: str, port: int, rank: int, world_size: int, device: str,
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def broadcast_from_root(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+def start_broadcast(group: dist.ProcessGroup, buffer: torch.Tensor):
+    """Start broadcasting ``buffer`` from group rank 0; returns the collective's work handle (poll
+    ``is_completed()``, or ``wait()``; on CUDA ``wait`` makes the current stream wait for it)."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    group.broadcast([buffer], options).wait()  # on CUDA: later work on the current stream waits for it
+    return group.broadcast([buffer], options)
+
+
+def broadcast_from_root(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
+    start_broadcast(group, buffer).wait()
