@@ -136,22 +136,15 @@ def _assert_equal_runs(got: dict, want: dict, label: str, cp: int):
 
 @pytest.mark.timeout(400)
 def test_cp2_engines_equal_cp1():
-    (reference,) = run_distributed(_world, 1, 1, 1, 6, 6)
-    for rank, got in enumerate(run_distributed(_world, 2, 1, 2, 6, 6)):
-        _assert_equal_runs(got, reference, f"cp=2 rank {rank}", cp=2)
-
-
-@pytest.mark.timeout(400)
-def test_cp2_pads_rows_to_a_multiple_of_2cp():
-    # P + R = 11: padded rows are extended to 12 columns (packed segments are padded in every test)
-    (reference,) = run_distributed(_world, 1, 1, 1, 5, 6, ("padded",))
-    for rank, got in enumerate(run_distributed(_world, 2, 1, 2, 5, 6, ("padded",))):
+    # P + R = 11: padded rows are extended to 12 columns; packed segments are padded to multiples of 4
+    (reference,) = run_distributed(_world, 1, 1, 1, 5, 6)
+    for rank, got in enumerate(run_distributed(_world, 2, 1, 2, 5, 6)):
         _assert_equal_runs(got, reference, f"cp=2 rank {rank}", cp=2)
 
 
 @pytest.mark.timeout(500)
 def test_tp2_cp2_engines_equal_tp1_cp1():
-    (reference,) = run_distributed(_world, 1, 1, 1, 6, 6, ("padded", "packed"))
-    results = run_distributed(_world, 4, 2, 2, 6, 6, ("padded", "packed"), timeout_s=450)
+    (reference,) = run_distributed(_world, 1, 1, 1, 6, 6, ("packed",))
+    results = run_distributed(_world, 4, 2, 2, 6, 6, ("packed",), timeout_s=450)
     for rank, got in enumerate(results):
         _assert_equal_runs(got, reference, f"tp=2 cp=2 rank {rank}", cp=2)
