@@ -51,11 +51,9 @@ class Receiver:
         self.group = create_group(host, port, rank, world_size, self.device, timeout_s)
 
     def receive_weight_bucket(self, layout) -> None:
-        from megarl.weight_sync.broadcast import broadcast_from_root, buffer_bytes, unpack_bucket
+        from megarl.weight_sync.broadcast import receive_bucket
 
-        buffer = torch.empty(buffer_bytes(layout), dtype=torch.uint8)
-        broadcast_from_root(self.group, buffer)
-        self.update_weights(unpack_bucket(buffer, layout))
+        self.update_weights(receive_bucket(self.group, layout, self.device))
 
     def finish_weight_update(self) -> None:
         pass

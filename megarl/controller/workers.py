@@ -170,7 +170,6 @@ class ActorRolloutRefWorker(_MegatronRole):
         self.bucket_bytes = arr.rollout.weight_sync_bucket_mb * 2**20
         self.rollout_peers: list = []  # separate placement: the rollout workers' actor handles
         self.weight_group = None  # separate placement, broadcast transport, rank 0: the group with them
-        self.rollout_timeout_s = cfg.trainer.worker_timeout_s
         self.rollout = None
         self._actor_offloaded = None  # OffloadState while generation owns the device
         self._reference_offloaded = None
@@ -248,10 +247,11 @@ class ActorRolloutRefWorker(_MegatronRole):
         if self.rollout is not None:
             transport = ColocatedTransport(self.rollout)
         elif self.rollout_peers and self.rank_info.rank == 0:
+            timeout_s = self.cfg.trainer.worker_timeout_s
             if self.weight_group is not None:
-                transport = BroadcastTransport(self.rollout_peers, self.weight_group, self.rollout_timeout_s)
+                transport = BroadcastTransport(self.rollout_peers, self.weight_group, timeout_s)
             else:
-                transport = ObjectStoreTransport(self.rollout_peers, self.rollout_timeout_s)
+                transport = ObjectStoreTransport(self.rollout_peers, timeout_s)
         else:  # the other ranks take part in the gather collectives only
             transport = DiscardTransport()
         stats = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
@@ -449,27 +449,32 @@ class BroadcastTransport(_RolloutPeersTransport):
         self.group = group
 
     def send(self, bucket) -> None:
-        import time
-
-        import ray
-
         from megarl.weight_sync.broadcast import bucket_layout, pack_bucket, start_broadcast
 
         layout = bucket_layout(bucket)
         buffer = pack_bucket(bucket, layout, bucket[0][1].device)
         pending = self._on_every_peer("receive_weight_bucket", layout)
         work = start_broadcast(self.group, buffer)
-        # A receiver that died or failed never joins the collective: its RPC's error is the reason to
-        # stop, instead of blocking in the broadcast until the group's timeout.
-        deadline = time.monotonic() + self.timeout_s
-        while not work.is_completed():
-            finished, _ = ray.wait(pending, num_returns=len(pending), timeout=0.05)
-            ray.get(finished)  # raises the first receiver error
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"weight broadcast of {len(layout)} tensors did not finish within "
-                                   f"{self.timeout_s:.0f}s (trainer.worker_timeout_s)")
+        _watch_peers(pending, work.is_completed, timeout_s=self.timeout_s,
+                     what=f"weight broadcast of {len(layout)} tensors")
         work.wait()
         self._wait(pending)
+
+
+def _watch_peers(pending: list, is_done, *, timeout_s: Optional[float] = None, what: str = "") -> None:
+    """Wait until ``is_done()``, raising the first error among the peers' ``pending`` calls meanwhile: a
+    peer that failed or died never joins the collective being waited on, so its error is the reason to
+    stop rather than the collective's timeout."""
+    import time
+
+    import ray
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not is_done():
+        finished, _ = ray.wait(pending, num_returns=len(pending), timeout=0.05)
+        ray.get(finished)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s (trainer.worker_timeout_s)")
 
 
 def open_weight_group(peers: list, device: str, timeout_s: float):
@@ -501,9 +506,7 @@ def open_weight_group(peers: list, device: str, timeout_s: float):
 
     joining = threading.Thread(target=join_as_root, name="weight-group-join", daemon=True)
     joining.start()
-    while joining.is_alive():
-        finished, _ = ray.wait(joins, num_returns=len(joins), timeout=0.1)
-        ray.get(finished)
+    _watch_peers(joins, lambda: not joining.is_alive())
     if "error" in outcome:
         raise outcome["error"]
     ray.get(joins, timeout=timeout_s)
@@ -538,12 +541,10 @@ class RolloutWorker:
         self.weight_group = create_group(host, port, rank, world_size, self.context.device, timeout_s)
 
     def receive_weight_bucket(self, layout) -> None:
-        from megarl.weight_sync.broadcast import broadcast_from_root, buffer_bytes, unpack_bucket
+        from megarl.weight_sync.broadcast import receive_bucket
 
         device = torch.device("cuda", torch.cuda.current_device()) if self.context.device == "cuda" else "cpu"
-        buffer = torch.empty(buffer_bytes(layout), dtype=torch.uint8, device=device)
-        broadcast_from_root(self.weight_group, buffer)
-        self.engine.update_weights(unpack_bucket(buffer, layout))
+        self.engine.update_weights(receive_bucket(self.weight_group, layout, device))
 
     def finish_weight_update(self) -> None:
         self.engine.finish_weight_update()

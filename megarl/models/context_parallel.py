@@ -23,12 +23,13 @@ megatron's schedule (loss x cp) and DDP (average over DP x CP) then produce.
 
 from __future__ import annotations
 
-import weakref
 from functools import lru_cache
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megarl.models.tensor_memo import LastTensorMemo
 
 
 def chunk_positions(length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -114,7 +115,7 @@ def gather_sequence(x: torch.Tensor, bounds: tuple[int, ...], group, *, downstre
 
 # ----------------------------------------------------------------------------------------- attention
 
-_mask_cache: list = [None, -1, None]  # (weakref to the megatron mask, its _version, prepared mask)
+_prepared_masks = LastTensorMemo()  # megatron mask rows of this rank -> the SDPA mask
 
 
 def _query_key_mask(attention_mask: Optional[torch.Tensor], query_positions: torch.Tensor,
@@ -124,18 +125,13 @@ def _query_key_mask(attention_mask: Optional[torch.Tensor], query_positions: tor
     ``attention_mask``: megatron's (True = masked) rows of this rank's queries, ``[b, 1, n, length]``; None
     means causal. A query always sees itself (padding queries would otherwise be all-masked, a 0/0)."""
     keys = torch.arange(length, device=query_positions.device)
-    own = keys[None, :] == query_positions[:, None]
     if attention_mask is None:
         return keys[None, :] <= query_positions[:, None]
-    ref, version, cached = _mask_cache
-    if ref is not None and ref() is attention_mask and version == attention_mask._version:
-        return cached
     if attention_mask.shape[-2:] != (len(query_positions), length):
         raise ValueError(f"with context parallelism the attention mask holds this rank's query rows: expected "
                          f"[b, 1, {len(query_positions)}, {length}], got {tuple(attention_mask.shape)}")
-    prepared = ~attention_mask | own
-    _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, prepared]
-    return prepared
+    return _prepared_masks.get(attention_mask,
+                               lambda: ~attention_mask | (keys[None, :] == query_positions[:, None]))
 
 
 def _gather_key_values(key: torch.Tensor, value: torch.Tensor, bounds, group):
@@ -203,14 +199,9 @@ def packed_context_parallel_attention(query: torch.Tensor, key: torch.Tensor, va
     return torch.cat(outputs)
 
 
-_bounds_cache: list = [None, None]  # (weakref to cu_seqlens, its bounds)
+_segment_bounds = LastTensorMemo()  # cu_seqlens -> its values on the host
 
 
 def _bounds_of(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
     """``cu_seqlens`` as a tuple, one host sync per micro-batch (every layer passes the same tensor)."""
-    ref, bounds = _bounds_cache
-    if ref is not None and ref() is cu_seqlens:
-        return bounds
-    bounds = tuple(cu_seqlens.tolist())
-    _bounds_cache[:] = [weakref.ref(cu_seqlens), bounds]
-    return bounds
+    return _segment_bounds.get(cu_seqlens, lambda: tuple(cu_seqlens.tolist()))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
 from typing import Optional
 
 import torch
@@ -46,9 +45,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 from megarl.models.context_parallel import context_parallel_attention, packed_context_parallel_attention
+from megarl.models.tensor_memo import LastTensorMemo
 
-# (weakref to the megatron mask, its _version, the SDPA mask or None for pure causal)
-_mask_cache: list = [None, -1, None]
+_prepared_masks = LastTensorMemo()  # megatron mask -> the SDPA mask, or None for pure causal
 
 
 def prepare_sdpa_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
@@ -57,18 +56,16 @@ def prepare_sdpa_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
         raise TypeError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}")
     if attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be [b, 1, sq, sk], got shape {tuple(attention_mask.shape)}")
-    ref, version, cached = _mask_cache
-    if ref is not None and ref() is attention_mask and version == attention_mask._version:
-        return cached
+    return _prepared_masks.get(attention_mask, lambda: _sdpa_mask(attention_mask))
+
+
+def _sdpa_mask(attention_mask: torch.Tensor) -> Optional[torch.Tensor]:
     sq, sk = attention_mask.shape[-2:]
     eye = torch.eye(sq, sk, dtype=torch.bool, device=attention_mask.device)
     causal = torch.ones(sq, sk, dtype=torch.bool, device=attention_mask.device).triu_(1)
     if sq == sk and torch.equal(attention_mask, causal.expand_as(attention_mask)):
-        prepared = None
-    else:
-        prepared = ~attention_mask | eye
-    _mask_cache[:] = [weakref.ref(attention_mask), attention_mask._version, prepared]
-    return prepared
+        return None
+    return ~attention_mask | eye
 
 
 def _varlen_flash():

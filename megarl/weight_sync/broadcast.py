@@ -76,3 +76,10 @@ def start_broadcast(group: dist.ProcessGroup, buffer: torch.Tensor):
 
 def broadcast_from_root(group: dist.ProcessGroup, buffer: torch.Tensor) -> None:
     start_broadcast(group, buffer).wait()
+
+
+def receive_bucket(group: dist.ProcessGroup, layout: list[TensorSlot], device) -> NamedTensors:
+    """On a receiving rank: the bucket the root broadcasts next, as views into a fresh buffer on ``device``."""
+    buffer = torch.empty(buffer_bytes(layout), dtype=torch.uint8, device=device)
+    broadcast_from_root(group, buffer)
+    return unpack_bucket(buffer, layout)

@@ -16,17 +16,11 @@ from pathlib import Path
 
 import torch
 
-from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names
+from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names, write_json_atomically
 from megarl.weight_sync.buckets import NamedTensors, tensor_bytes
 from megarl.weight_sync.transport import WeightTransport
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 class HFCheckpointWriter(WeightTransport):
@@ -86,6 +80,6 @@ class HFCheckpointWriter(WeightTransport):
             config["torch_dtype"] = dtype
             if "dtype" in config:  # the newer transformers name
                 config["dtype"] = dtype
-        _write_json(self.out_dir / "config.json", config)
-        _write_json(self.out_dir / INDEX_FILE, {"metadata": {"total_size": self._total_bytes},
+        write_json_atomically(self.out_dir / "config.json", config)
+        write_json_atomically(self.out_dir / INDEX_FILE, {"metadata": {"total_size": self._total_bytes},
                                                 "weight_map": self._weight_map})

@@ -212,17 +212,15 @@ def shard_for_context_parallel(mb: dict, cp_size: int, cp_rank: int) -> dict:
     segments must already be multiples of ``2 * cp`` (``pack_rows(segment_multiple_of=...)``); their
     ``packed_seq_params`` stay those of the full stream. ``cp_bounds`` (segment boundaries of the full
     sequence) lets the per-token results be gathered back."""
-    ids = mb["input_ids"]
+    ids, positions = mb["input_ids"], mb["position_ids"]
     out = dict(mb)
     if mb.get("packed_seq_params") is not None:
         bounds = tuple(mb["packed_seq_params"].cu_seqlens_q.tolist())
-        positions = mb["position_ids"]
     else:
         seq = ids.shape[1]
         full = _round_up(seq, 2 * cp_size)
         extra = full - seq
         bounds = (0, full)
-        positions = mb["position_ids"]
         if extra:
             ids = torch.cat([ids, ids.new_zeros(ids.shape[0], extra)], dim=1)
             positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra, device=ids.device)], 1)

@@ -18,7 +18,6 @@ Left out: re-quantising to FP8, writing MTP layers (they were not converted).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ import torch
 
 from megarl.models import mcore_checkpoint as fmt
 from megarl.models.convert.execution import OutputFile, Task, hash_plan, note_tensor_written, run_tasks
-from megarl.models.convert.hf_index import INDEX_FILE
+from megarl.models.convert.hf_index import INDEX_FILE, write_json_atomically
 from megarl.models.convert.placement import place_global_tensor
 from megarl.models.convert.safetensors_stream import (
     PlannedTensor, StreamingSafetensorsWriter, TensorLocation, fsync_directory, read_safetensors_header,
@@ -121,16 +120,6 @@ def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
         raise
 
 
-def _write_json_atomically(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def _hf_config_to_write(metadata: fmt.MCoreCheckpointMetadata) -> dict:
     config = dict(metadata.hf_config)
     if metadata.raw.get("dequantized_fp8"):
@@ -165,11 +154,11 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     for name in metadata.raw.get("hf_assets", []):
         if name != "config.json":
             shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
-    _write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(metadata))
+    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(metadata))
     weight_map = {t.name: out.rel_path for task in tasks for out in task.files for t in out.tensors}
     index = {"metadata": {"total_size": sum(out.nbytes for task in tasks for out in task.files)},
              "weight_map": weight_map}
-    _write_json_atomically(index_path, index)
+    write_json_atomically(index_path, index)
     fsync_directory(out_dir)
     os.remove(os.path.join(out_dir, ".convert_progress.jsonl"))
     logger.info("wrote %s: %d shards, %d tensors", out_dir, len(tasks), len(weight_map))
