@@ -71,7 +71,12 @@ def _group_index(group_ids: Sequence | None, batch_size: int, estimator: str) ->
 
 
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    return torch.where(response_mask.bool(), token_level_rewards, torch.zeros_like(token_level_rewards)).sum(-1)
+    """Per-row score in float64: the group statistics that follow are computed in float64, where a sum of up
+    to 2**29 equal float32 values is exact, so a group whose scores are all equal has a mean equal to each
+    of them and advantage exactly 0 (in float32 the running sum's rounding error, divided by a near-zero
+    std + eps, came out as advantages of +-0.1 to 0.6)."""
+    rewards = token_level_rewards.to(torch.float64)
+    return torch.where(response_mask.bool(), rewards, torch.zeros_like(rewards)).sum(-1)
 
 
 def _group_stats(scores: torch.Tensor, index: torch.Tensor, num_groups: int, weights: torch.Tensor | None = None):
@@ -90,8 +95,9 @@ def _group_stats(scores: torch.Tensor, index: torch.Tensor, num_groups: int, wei
     return size[index], mean[index], std[index]
 
 
-def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    return per_seq.unsqueeze(-1) * response_mask.to(per_seq.dtype)
+def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row values onto the row's valid tokens, in the rewards' ``dtype`` (computed in float64 before)."""
+    return per_seq.unsqueeze(-1).to(dtype) * response_mask.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------- estimators
@@ -142,7 +148,7 @@ def compute_grpo_advantages(
         centred = scores - mean  # singleton groups: mean is the score itself, so 0
         per_seq = centred / (std + eps) if norm_by_std else centred
         per_seq = torch.where(size > 1, per_seq, torch.zeros_like(per_seq))
-        advantages = _broadcast(per_seq, response_mask)
+        advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
     return advantages, advantages.clone()
 
 
@@ -172,7 +178,7 @@ def compute_rloo_advantages(
         size, mean, _ = _group_stats(scores, index, num_groups)
         leave_one_out_mean = (mean * size - scores) / (size - 1).clamp(min=1)
         per_seq = torch.where(size > 1, scores - leave_one_out_mean, torch.zeros_like(scores))
-        advantages = _broadcast(per_seq, response_mask)
+        advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
     return advantages, advantages.clone()
 
 
@@ -215,7 +221,8 @@ def compute_reinforce_plus_plus_baseline_advantages(
         index, num_groups = _group_index(group_ids, scores.shape[0], "reinforce_plus_plus_baseline")
         size, mean, _ = _group_stats(scores, index, num_groups)
         per_seq = torch.where(size > 1, scores - mean, torch.zeros_like(scores))
-        advantages = masked_whiten(_broadcast(per_seq, response_mask), response_mask)
+        advantages = masked_whiten(_broadcast(per_seq, response_mask, torch.float64), response_mask).to(
+            token_level_rewards.dtype)
     return advantages, advantages.clone()
 
 
@@ -236,7 +243,7 @@ def compute_remax_advantages(
         raise ValueError(f"remax: baseline_scores must be [B]=[{batch}], got {tuple(baseline_scores.shape)}")
     with torch.no_grad():
         returns = _discounted_returns(token_level_rewards, response_mask, 1.0)
-        advantages = returns - _broadcast(baseline_scores, response_mask)
+        advantages = returns - _broadcast(baseline_scores, response_mask, returns.dtype)
     return advantages, returns
 
 
@@ -254,5 +261,5 @@ def compute_opo_advantages(
         lengths = response_mask.to(scores.dtype).sum(-1)
         size, weighted_mean, _ = _group_stats(scores, index, num_groups, weights=lengths)
         per_seq = torch.where(size > 1, scores - weighted_mean, torch.zeros_like(scores))
-        advantages = _broadcast(per_seq, response_mask)
+        advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
     return advantages, advantages.clone()

@@ -51,10 +51,14 @@ def masked_whiten(
     values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, unbiased: bool = True, eps: float = 1e-8
 ) -> torch.Tensor:
     """(values - mean) / sqrt(var + eps) over valid positions; padding positions come back as 0.
-    With `shift_mean=False` the mean is added back (scale-only whitening)."""
-    mean = masked_mean(values, mask)
-    var = masked_var(values, mask, unbiased=unbiased)
-    whitened = (values - mean) * torch.rsqrt(var + eps)
+    With `shift_mean=False` the mean is added back (scale-only whitening).
+
+    Computed in float64 and returned in ``values.dtype``: the mean of equal float32 values is then exact,
+    so equal values whiten to exactly 0 instead of their mean's rounding error divided by sqrt(eps)."""
+    wide = values.to(torch.float64)
+    mean = masked_mean(wide, mask)
+    var = masked_var(wide, mask, unbiased=unbiased)
+    whitened = (wide - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened)).to(values.dtype)

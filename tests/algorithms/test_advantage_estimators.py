@@ -219,3 +219,79 @@ def test_registering_a_taken_name_fails():
 
     with pytest.raises(ValueError, match="'grpo' is already registered"):
         register_advantage("grpo")(lambda **kw: None)
+
+
+# Group estimators whose advantages are defined from group (and, last one, batch) statistics.
+GROUP_STATISTICS = [("grpo", True), ("grpo", False), ("dr_grpo", True), ("rloo", True), ("opo", True),
+                    ("reinforce_plus_plus_baseline", True)]
+
+
+@pytest.mark.parametrize("name,norm_by_std", GROUP_STATISTICS)
+@pytest.mark.parametrize("value", [2.3, 0.7, 1.1, 0.1, -1 / 3, 1e-7, 12345.678, 0.0])
+def test_all_equal_groups_get_exactly_zero_in_float32(name, norm_by_std, value):
+    """A group whose responses all scored alike has nothing to prefer: advantage exactly 0 in fp32, for any
+    group size (1..512) and values that float32 cannot represent exactly. Several groups share the batch,
+    with different lengths, so neither the batch nor the group layout hides the rounding."""
+    sizes = list(range(1, 33)) + [63, 64, 100, 128, 255, 256, 511, 512]
+    rows = sum(sizes)
+    length = 5
+    mask = torch.zeros(rows, length, dtype=torch.float32)
+    group_ids, row = [], 0
+    for group, size in enumerate(sizes):
+        for member in range(size):
+            mask[row, : 1 + (row * 7 + member) % length] = 1
+            group_ids.append(group)
+            row += 1
+    rewards = torch.zeros(rows, length, dtype=torch.float32)
+    last = mask.sum(dim=1).long() - 1
+    rewards[torch.arange(rows), last] = torch.tensor(value, dtype=torch.float32)
+    advantages, returns = get_advantage_estimator(name)(
+        token_level_rewards=rewards, response_mask=mask, group_ids=group_ids, norm_by_std=norm_by_std)
+    assert advantages.dtype == torch.float32
+    assert torch.count_nonzero(advantages).item() == 0, advantages.abs().max().item()
+
+
+@pytest.mark.parametrize("name,norm_by_std", GROUP_STATISTICS[:5])
+def test_group_advantages_equal_a_float64_reference(name, norm_by_std):
+    """Random float32 scores in groups of 1..64: the fp32 output is the fp64 reference rounded once (relative
+    to the advantages' scale, a few float32 ulps)."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = [1, 2, 3, 5, 8, 16, 33, 64]
+    group_ids = [g for g, size in enumerate(sizes) for _ in range(size)]
+    scores = (torch.randn(len(group_ids), generator=generator) * 3 + 1).to(torch.float32)
+    mask = torch.ones(len(group_ids), 3)
+    rewards = torch.zeros(len(group_ids), 3)
+    rewards[:, -1] = scores
+    advantages, _ = get_advantage_estimator(name)(token_level_rewards=rewards, response_mask=mask,
+                                                  group_ids=group_ids, norm_by_std=norm_by_std)
+    expected = []
+    for group, size in enumerate(sizes):
+        members = [float(scores[i]) for i, g in enumerate(group_ids) if g == group]
+        mean = math.fsum(members) / size
+        for x in members:
+            if size == 1:
+                expected.append(0.0)
+            elif name == "rloo":
+                expected.append(x - (math.fsum(members) - x) / (size - 1))
+            elif name in ("grpo", "dr_grpo"):
+                std = math.sqrt(math.fsum((y - mean) ** 2 for y in members) / (size - 1))
+                expected.append((x - mean) / (std + 1e-6) if name == "grpo" and norm_by_std else x - mean)
+            else:  # opo with equal lengths: the plain group mean
+                expected.append(x - mean)
+    expected = torch.tensor(expected, dtype=torch.float64)
+    scale = expected.abs().max()
+    assert ((advantages[:, 0].double() - expected).abs().max() / scale).item() < 4 * 2.0**-24
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "gae"])
+def test_batch_whitening_of_equal_values_is_exactly_zero(name):
+    """Whitening over the batch's tokens: equal returns (REINFORCE++ with gamma=1) or equal GAE advantages
+    (rewards equal to the values' differences) whiten to exactly 0."""
+    rows, length = 300, 7
+    mask = torch.ones(rows, length)
+    rewards = torch.zeros(rows, length)
+    rewards[:, -1] = 2.3
+    values = torch.full((rows, length), 2.3) if name == "gae" else None
+    advantages, _ = get_advantage_estimator(name)(token_level_rewards=rewards, response_mask=mask, values=values,
+                                                  group_ids=list(range(rows)))
+    assert torch.count_nonzero(advantages).item() == 0, advantages.abs().max().item()
