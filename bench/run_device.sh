@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e
+# (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
+#  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
 # (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
 # (pack: the CUDA packing tests, then packed token-budget training on RL-like lengths for $MODELS, default
 #  1.5b; FUSIONS=off,on also runs megatron's torch.compile'd SwiGLU/bias-dropout-add)
@@ -60,6 +62,18 @@ elif [ "$MODE" = validate ]; then  # the CUDA tests with the engine defaults, an
     actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512 \
     actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=1024 trainer.progress_bar=false \
     trainer.default_local_dir=$GRPO_DIR
+elif [ "$MODE" = vllm ]; then  # needs vLLM + Ray (../shared/device recipe): the production path's tests and runs
+  step vllm_gpu_test timeout 300 python3 -m pytest tests/gpu/test_vllm_cuda.py -q -s -p no:cacheprovider
+  step grpo_tiny_vllm timeout 240 python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.device=cuda \
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
+    actor_rollout_ref.rollout.enforce_eager=true trainer.total_training_steps=10 trainer.test_freq=5 \
+    trainer.save_freq=5 trainer.progress_bar=false trainer.default_local_dir=$GRPO_DIR
+elif [ "$MODE" = e2e ]; then  # bench/e2e_grpo.py for $MODELS (default 0.5b), vLLM + Ray
+  for model in $(echo "${MODELS:-0.5b}" | tr , ' '); do
+    step "e2e_$model" timeout "${E2E_TIMEOUT:-540}" python3 -m bench.e2e_grpo --shape "$model" --prompts "${PROMPTS:-64}" \
+      --n 8 --prompt-len 512 --response-len "${RESPONSE_LEN:-1024}" --steps "${STEPS:-4}" ${GEN_ALONE:+--gen-alone} \
+      --out "$OUT/e2e_$model.json"
+  done
 elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
   step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \
@@ -80,5 +94,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-[ "$MODE" = attn ] || [ "$MODE" = pack ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

@@ -111,6 +111,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False  # generate max_response_length tokens whatever is sampled (benchmarks)
     tensor_model_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_mb: Optional[int] = None  # size vLLM's KV cache directly (on CPU: instead of a RAM share)

@@ -26,6 +26,7 @@ from megarl.batch import TrainBatch
 from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
 from megarl.controller.rollout_replicas import RolloutReplica, form_rollout_replicas, generate_in_replica
+from megarl.controller.phase_memory import PhaseMemory
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.engine import MicroBatching
 from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
@@ -174,10 +175,13 @@ class ActorRolloutRefWorker(_MegatronRole):
         self._actor_offloaded = None  # OffloadState while generation owns the device
         self._reference_offloaded = None
         self._rollout_asleep = False
+        self.memory_peaks = PhaseMemory(self.context.device)
         if not separate_rollout:
             check_rollout_tensor_parallel(cfg, colocated=True)
             self.rollout_replica = form_rollout_replicas(arr.rollout.tensor_model_parallel_size)
-            self.rollout = build_rollout_engine_for(cfg, self.model_path, seed_offset=self.rollout_replica.index)
+            self.rollout = build_rollout_engine_for(
+                cfg, self.model_path, seed_offset=self.rollout_replica.index, colocated=True,
+                device=self.context.device, local_device_index=self.context.local_device_index)
             self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
 
     # ---------------------------------------------------------------- rollout
@@ -186,7 +190,8 @@ class ActorRolloutRefWorker(_MegatronRole):
         if self.rollout is None:
             raise RuntimeError("trainer.placement=separate: generation runs on the RolloutWorker group")
         self._enter_rollout_mode()
-        return generate_in_replica(self.rollout, prompt_token_ids, sampling, self.rollout_replica)
+        with self.memory_peaks.track("gen"):
+            return generate_in_replica(self.rollout, prompt_token_ids, sampling, self.rollout_replica)
 
     # ---------------------------------------------------------------- sharing the device (hybrid engine)
     def _enter_rollout_mode(self) -> None:
@@ -204,13 +209,15 @@ class ActorRolloutRefWorker(_MegatronRole):
             self.rollout.wake_up()
             self._rollout_asleep = False
 
-    def _enter_train_mode(self) -> None:
-        """Megatron next: put the rollout engine to sleep (where that frees memory) and reload the engines."""
+    def _enter_train_mode(self, *, weight_sync_follows: bool) -> None:
+        """Megatron next: put the rollout engine to sleep (where that frees memory) and reload the engines.
+        ``weight_sync_follows``: the rollout weights will be overwritten before the next generation (the
+        step's update phases), so the engine may drop them instead of saving them to host memory."""
         from megarl.engines.megatron.offload import reload_engine
 
         if (self.rollout is not None and not self._rollout_asleep and self.rollout.supports_sleep
                 and self.cfg.actor_rollout_ref.rollout.free_cache_engine):
-            self.rollout.sleep()
+            self.rollout.sleep(discard_weights=weight_sync_follows)
             self._rollout_asleep = True
         if self._actor_offloaded is not None:
             reload_engine(self._actor_offloaded)
@@ -241,9 +248,8 @@ class ActorRolloutRefWorker(_MegatronRole):
         if self._actor_offloaded is not None:  # the gather reads the actor's parameters
             reload_engine(self._actor_offloaded)
             self._actor_offloaded = None
-        if self._rollout_asleep:  # the engine must hold its weights to be written into
-            self.rollout.wake_up()
-            self._rollout_asleep = False
+        if self._rollout_asleep:  # the engine must hold its weights to be written into; the KV cache can wait
+            self.rollout.wake_up(weights_only=True)
         if self.rollout is not None:
             transport = ColocatedTransport(self.rollout)
         elif self.rollout_peers and self.rank_info.rank == 0:
@@ -254,60 +260,64 @@ class ActorRolloutRefWorker(_MegatronRole):
                 transport = ObjectStoreTransport(self.rollout_peers, timeout_s)
         else:  # the other ranks take part in the gather collectives only
             transport = DiscardTransport()
-        stats = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
-                             dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
+        with self.memory_peaks.track("weight_sync"):
+            stats = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
+                                 dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
         if self.rollout is not None:
             self._enter_rollout_mode()  # generation comes next
-        return stats.as_metrics()
+        return {**stats.as_metrics(), **self.memory_peaks.as_metrics()}
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
-        self._enter_train_mode()
+        self._enter_train_mode(weight_sync_follows=True)
         rollout = self.cfg.actor_rollout_ref.rollout
-        log_probs, entropy = self.actor.compute_log_probs(
-            batch, micro_batch_size=min(rollout.log_prob_micro_batch_size_per_gpu, len(batch)),
-            max_tokens=rollout.log_prob_max_token_len_per_gpu)
+        with self.memory_peaks.track("old_log_prob"):
+            log_probs, entropy = self.actor.compute_log_probs(
+                batch, micro_batch_size=min(rollout.log_prob_micro_batch_size_per_gpu, len(batch)),
+                max_tokens=rollout.log_prob_max_token_len_per_gpu)
         # The driver's batches live on the CPU (it may have no GPU at all); never hand it device tensors.
         return LogProbs(log_probs.cpu(), entropy.cpu())
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_ref_log_probs(self, batch: TrainBatch):
-        self._enter_train_mode()
+        self._enter_train_mode(weight_sync_follows=True)
         if self.reference is None:
             raise RuntimeError("this actor worker was built without a reference model")
         mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+        with self.memory_peaks.track("ref"):
+            log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
         return log_probs.cpu()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_actor(self, batch: TrainBatch) -> dict:
-        self._enter_train_mode()
+        self._enter_train_mode(weight_sync_follows=True)
         a = self.cfg.actor_rollout_ref.actor
         n = self.cfg.actor_rollout_ref.rollout.n
         mini_rows = a.ppo_mini_batch_size * n // self.rank_info.dp_size
-        return self.actor.update_policy(
-            batch, ppo_epochs=a.ppo_epochs, mini_batch_size=mini_rows, policy_loss_name=_policy_loss_name(a.policy_loss),
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c if a.policy_loss == "dual_clip" else None,
-            entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-            kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
-            norm_length=self.cfg.data.max_response_length,
-        )
+        with self.memory_peaks.track("update_actor"):
+            return self.actor.update_policy(
+                batch, ppo_epochs=a.ppo_epochs, mini_batch_size=mini_rows, policy_loss_name=_policy_loss_name(a.policy_loss),
+                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                clip_ratio_c=a.clip_ratio_c if a.policy_loss == "dual_clip" else None,
+                entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+                kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
+                norm_length=self.cfg.data.max_response_length,
+            )
 
     # ---------------------------------------------------------------- checkpoints
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def save_checkpoint(self, root: str) -> str:
         from megarl.engines.megatron.checkpoint import save_checkpoint
 
-        self._enter_train_mode()
+        self._enter_train_mode(weight_sync_follows=False)
         return save_checkpoint(self.actor, root, step=0)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, root: str) -> int:
         from megarl.engines.megatron.checkpoint import load_checkpoint
 
-        self._enter_train_mode()
+        self._enter_train_mode(weight_sync_follows=True)  # the trainer syncs the restored weights next
         return load_checkpoint(self.actor, root)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
@@ -318,7 +328,7 @@ class ActorRolloutRefWorker(_MegatronRole):
         from megarl.weight_sync import DiscardTransport, sync_weights
         from megarl.weight_sync.hf_writer import HFCheckpointWriter
 
-        self._enter_train_mode()
+        self._enter_train_mode(weight_sync_follows=False)
         tokenizer = self.cfg.actor_rollout_ref.model.tokenizer_path
         writer = (HFCheckpointWriter(out_dir, source_dir=self.model_path,
                                      tokenizer_dir=str(resolve_model_path(tokenizer)) if tokenizer else None)
@@ -386,25 +396,25 @@ def check_rollout_tensor_parallel(cfg: MegarlConfig, *, colocated: bool) -> None
             f"placement={'colocate' if colocated else 'separate'})")
 
 
-def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int):
+def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int, colocated: bool,
+                             device: str, local_device_index: Optional[int]):
     """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
     replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
-    :func:`check_rollout_tensor_parallel`."""
+    :func:`check_rollout_tensor_parallel`. vLLM runs in this process (its engine core too), so weight
+    buckets reach it as device tensors; colocated on a GPU it is built with sleep mode, to hand the
+    device to training between rollouts (``rollout.free_cache_engine``)."""
     from megarl.engines.rollout.base import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
-    tp = rollout.tensor_model_parallel_size
     engine_kwargs = {"dtype": _DTYPES[rollout.dtype]}
-    if tp > 1:
-        # vLLM joins this process's torch.distributed world and shards over `tp` consecutive ranks; its
-        # external launcher needs the engine in this process (deterministic, identical on the replica's ranks).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        engine_kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
     if rollout.name == "vllm":
         engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                              enforce_eager=rollout.enforce_eager,
                              max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                             seed=cfg.trainer.seed + seed_offset)
+                             seed=cfg.trainer.seed + seed_offset, in_process=True,
+                             tensor_parallel_size=rollout.tensor_model_parallel_size,
+                             local_device_index=local_device_index if device == "cuda" else None,
+                             enable_sleep_mode=colocated and device == "cuda" and rollout.free_cache_engine)
         if rollout.kv_cache_memory_mb:
             engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
@@ -525,7 +535,9 @@ class RolloutWorker:
             torch.cuda.set_device(self.context.local_device_index)
         check_rollout_tensor_parallel(cfg, colocated=False)
         self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
-                                               seed_offset=self.context.rank)
+                                               seed_offset=self.context.rank, colocated=False,
+                                               device=self.context.device,
+                                               local_device_index=self.context.local_device_index)
         self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)

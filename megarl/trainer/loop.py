@@ -70,6 +70,7 @@ class RLTrainer:
         self.actor = actor_group
         self.critic = critic_group
         self.rollout = rollout_group or actor_group  # separate placement: its own group; else the hybrid actor
+        self.num_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         self.logger = logger
         self.checkpoints = checkpoints
         self.total_steps = total_steps
@@ -107,6 +108,10 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         with timed("step", metrics):
             batch, scores, reward_metrics = self.sample_batch(step, metrics)
+            baseline = None
+            if cfg.algorithm.adv_estimator == "remax":  # still a generation phase: before training takes the device
+                with timed("gen_baseline", metrics):
+                    baseline = self.greedy_baseline_scores(batch)
             with timed("old_log_prob", metrics):
                 actor_out = self.actor.call("compute_log_probs", batch)
                 batch.old_log_probs, entropy = actor_out.log_probs, actor_out.entropy
@@ -117,7 +122,7 @@ class RLTrainer:
                 with timed("values", metrics):
                     batch.values = self.critic.call("compute_values", batch)
             with timed("adv", metrics):
-                metrics.update(self.compute_advantages(batch, scores))
+                metrics.update(self.compute_advantages(batch, scores, baseline))
             if self.critic is not None:
                 with timed("update_critic", metrics):
                     metrics.update({f"critic/{k}": v for k, v in self.critic.call("update_critic", batch).items()})
@@ -130,6 +135,8 @@ class RLTrainer:
         tokens = float(batch.attention_mask.sum())
         metrics["perf/tokens"] = tokens
         metrics["perf/tokens_per_s"] = tokens / max(metrics["timing_s/step"], 1e-9)
+        # verl's perf/throughput: prompt + response tokens per second per GPU (per worker process on CPU)
+        metrics["perf/throughput"] = metrics["perf/tokens_per_s"] / self.num_devices
         return metrics
 
     # ------------------------------------------------------------------ stages
@@ -189,7 +196,7 @@ class RLTrainer:
         r = self.cfg.actor_rollout_ref.rollout
         return SamplingConfig(
             n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            max_tokens=self.cfg.data.max_response_length, stop=tuple(r.stop),
+            max_tokens=self.cfg.data.max_response_length, stop=tuple(r.stop), ignore_eos=r.ignore_eos,
             # per step (and generation round), so a resumed run samples the same
             seed=self.cfg.trainer.seed * 1_000_003 + step + round_index * 1_000_000_007,
             logprobs=True,  # the sampled tokens' log-probs: checked against the trainer's (rollout/log_prob_diff_*)
@@ -223,7 +230,9 @@ class RLTrainer:
             rollout_log_probs=log_probs if have_log_probs else None,
         )
 
-    def compute_advantages(self, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
+    def compute_advantages(self, batch: TrainBatch, scores: torch.Tensor,
+                           baseline: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """``baseline``: ReMax's greedy-response scores per row (:meth:`greedy_baseline_scores`)."""
         alg = self.cfg.algorithm
         metrics: dict[str, float] = {}
         if alg.use_kl_in_reward:
@@ -233,9 +242,6 @@ class RLTrainer:
             metrics.update(kl_metrics)
         else:
             batch.token_level_rewards = batch.token_level_scores
-        baseline = None
-        if alg.adv_estimator == "remax":
-            baseline = self.greedy_baseline_scores(batch)
         estimator = get_advantage_estimator(alg.adv_estimator)
         batch.advantages, batch.returns = estimator(
             token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask.float(),

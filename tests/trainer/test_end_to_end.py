@@ -233,6 +233,24 @@ def test_vllm_rollout_with_tensor_parallel_replicas_follows_the_trainer(tmp_path
     assert history[-1]["actor/grad_norm"] > 0 and history[-1]["weight_sync/bytes"] > 1e6
 
 
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_engines_in_process_take_device_tensors_on_two_ranks(tmp_path):
+    """Two ranks, one vLLM engine each, built as the workers build them (engine core inside the worker,
+    external launcher over the workers' world): each weight bucket reaches the engine as the gathered
+    tensors themselves, and every step the rollout log-probs equal the trainer's recomputation."""
+    pytest.importorskip("vllm")
+    history = _run(_config(
+        tmp_path, "trainer.total_training_steps=2", "trainer.n_gpus_per_node=2",
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.kv_cache_memory_mb=64", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"))
+    assert [h["step"] for h in history] == [1, 2]
+    assert history[-1]["actor/ppo_kl"] != 0
+    for h in history:
+        assert h["rollout/log_prob_diff_max"] < 1e-3, (h["step"], h["rollout/log_prob_diff_max"])
+        assert h["perf/throughput"] == pytest.approx(h["perf/tokens_per_s"] / 2)
+
+
 def test_in_process_backend_cleans_up_after_a_failed_start(tmp_path):
     import torch.distributed as dist
 

