@@ -81,11 +81,12 @@ class ActorConfig:
     # With sequence packing: micro-batches by real tokens (prompt + response) instead of a row count.
     ppo_max_token_len_per_gpu: Optional[int] = None
     ppo_epochs: int = 1
-    policy_loss: str = "ppo_clip"  # ppo_clip | dual_clip | gspo
+    policy_loss: str = "ppo_clip"  # ppo_clip (with verl's dual clip) | dual_clip (the same; older name) | gspo
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # defaults to clip_ratio
     clip_ratio_high: Optional[float] = None  # defaults to clip_ratio (DAPO clip-higher: e.g. 0.28)
-    clip_ratio_c: float = 3.0  # dual-clip lower bound for negative advantages
+    # Dual clip of ppo_clip, as in verl: negative-advantage tokens lose at most clip_ratio_c * |A|; null = off
+    clip_ratio_c: Optional[float] = 3.0
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

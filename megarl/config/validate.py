@@ -196,8 +196,9 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
         actor.clip_ratio_low = actor.clip_ratio
     if actor.clip_ratio_high is None:
         actor.clip_ratio_high = actor.clip_ratio
-    if actor.policy_loss == "dual_clip" and actor.clip_ratio_c <= 1.0:
-        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c must be > 1 for dual-clip, got {actor.clip_ratio_c}")
+    if actor.policy_loss != "gspo" and actor.clip_ratio_c is not None and actor.clip_ratio_c <= 1.0:
+        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c (the dual clip, on by default as in verl) must be "
+                          f"> 1, or null to turn it off; got {actor.clip_ratio_c}")
 
     if t.placement == "separate":
         if not 0 < t.rollout_gpus < world_size(cfg):

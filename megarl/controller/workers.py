@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from megarl.batch import TrainBatch
-from megarl.config.schema import MegarlConfig, MegatronConfig, OptimConfig
+from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
 from megarl.controller.rollout_replicas import RolloutReplica, form_rollout_replicas, generate_in_replica
 from megarl.controller.phase_memory import PhaseMemory
@@ -297,9 +297,7 @@ class ActorRolloutRefWorker(_MegatronRole):
         mini_rows = a.ppo_mini_batch_size * n // self.rank_info.dp_size
         with self.memory_peaks.track("update_actor"):
             return self.actor.update_policy(
-                batch, ppo_epochs=a.ppo_epochs, mini_batch_size=mini_rows, policy_loss_name=_policy_loss_name(a.policy_loss),
-                clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                clip_ratio_c=a.clip_ratio_c if a.policy_loss == "dual_clip" else None,
+                batch, ppo_epochs=a.ppo_epochs, mini_batch_size=mini_rows, **policy_loss_arguments(a),
                 entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
                 kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
                 norm_length=self.cfg.data.max_response_length,
@@ -562,9 +560,13 @@ class RolloutWorker:
         self.engine.finish_weight_update()
 
 
-def _policy_loss_name(configured: str) -> str:
-    # Dual-clip is PPO-clip with a lower bound for negative advantages (clip_ratio_c).
-    return "ppo_clip" if configured == "dual_clip" else configured
+def policy_loss_arguments(actor: ActorConfig) -> dict:
+    """The policy loss and its clip bounds as verl means them: PPO-clip always takes the dual clip
+    (``clip_ratio_c``, 3.0 by default; null turns it off), so ``dual_clip`` is PPO-clip under its older name;
+    GSPO clips per sequence and has no dual clip."""
+    name = "ppo_clip" if actor.policy_loss == "dual_clip" else actor.policy_loss
+    return dict(policy_loss_name=name, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                clip_ratio_c=None if name == "gspo" else actor.clip_ratio_c)
 
 
 def worker_env_for(device: str) -> dict[str, str]:

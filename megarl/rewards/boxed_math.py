@@ -48,8 +48,12 @@ def _fix_fracs(s: str) -> str:
     return re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)
 
 
+# Minus signs that are not ASCII: U+2212 (the typeset minus), U+FE63 (small), U+FF0D (fullwidth).
+UNICODE_MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+
+
 def normalize_math_answer(answer: str) -> str:
-    s = answer.strip()
+    s = answer.strip().translate(UNICODE_MINUS)
     s = s.replace("\n", "").replace("\\!", "")
     for spacing in ("\\,", "\\;", "\\:", "\\quad", "\\qquad"):
         s = s.replace(spacing, "")
@@ -102,6 +106,37 @@ def score_boxed_math(solution_str: str, ground_truth: str, *, score: float = 1.0
     if truth is None:
         raise ValueError(f"math ground truth has an unbalanced \\boxed: {ground_truth!r}")
     prediction = extract_last_boxed(solution_str)
+    if prediction is None:
+        return 0.0
+    return score if math_answers_equal(prediction, truth) else 0.0
+
+
+_ANSWER_LINE = re.compile(r"(?im)^[ \t*#>]*answer[ \t*]*[:\uff1a][ \t*]*(.+?)[ \t*]*$")
+
+
+def extract_answer_line(text: str) -> tuple[int, str] | None:
+    """(position, answer) of the last line ``Answer: ...`` (DAPO's format; case-insensitive, markdown bold
+    and a full-width colon allowed), or None. A ``\\boxed{}`` inside the line is unwrapped."""
+    matches = list(_ANSWER_LINE.finditer(text))
+    if not matches:
+        return None
+    answer = matches[-1].group(1)
+    boxed = extract_last_boxed(answer)
+    return matches[-1].start(), (boxed if boxed is not None else answer).strip().rstrip(".")
+
+
+def score_math_answer(solution_str: str, ground_truth: str, *, score: float = 1.0) -> float:
+    """Like :func:`score_boxed_math`, but the response's answer may also be a final ``Answer: ...`` line (what
+    DAPO's prompt asks for): whichever of the last ``\\boxed{}`` and the last answer line comes later."""
+    truth = extract_last_boxed(ground_truth) if any(c in ground_truth for c in _BOX_COMMANDS) else ground_truth
+    if truth is None:
+        raise ValueError(f"math ground truth has an unbalanced \\boxed: {ground_truth!r}")
+    line = extract_answer_line(solution_str)
+    boxed_at = max(solution_str.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if line is not None and line[0] > boxed_at:
+        prediction = line[1]
+    else:
+        prediction = extract_last_boxed(solution_str)
     if prediction is None:
         return 0.0
     return score if math_answers_equal(prediction, truth) else 0.0

@@ -12,13 +12,16 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from megarl.rewards.boxed_math import UNICODE_MINUS
+
 _NUMBER = r"-?\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)"
 _STRICT = re.compile(r"####\s*(" + _NUMBER + ")")
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
 def extract_gsm8k_answer(text: str, method: str = "strict") -> str | None:
-    """The answer string (unnormalised) or None when none is found."""
+    """The answer string (unnormalised) or None when none is found. A Unicode minus counts as '-'."""
+    text = text.translate(UNICODE_MINUS)
     if method == "strict":
         matches = _STRICT.findall(text)
     elif method == "flexible":

@@ -1,4 +1,6 @@
-"""Which scorer handles which `data_source`: a default table of "module:function" strings, resolved lazily.
+"""Which scorer handles which `data_source`: default tables of "module:function" strings (exact names, and
+name prefixes such as `aime*`), resolved lazily. The defaults cover every data_source verl's default scorer
+routes except its code-execution ones (`codecontests`, `apps`, `codeforces`, `taco`).
 
 Lazy resolution means a scorer module (e.g. the synthetic task, owned by the data package) only has to exist
 when a sample of its data source is scored. Built-in scorers take `(solution_str, ground_truth) -> float`.
@@ -13,17 +15,32 @@ from typing import Callable
 
 GSM8K = "megarl.rewards.gsm8k:score_gsm8k"
 BOXED_MATH = "megarl.rewards.boxed_math:score_boxed_math"
+# A final "Answer: ..." line (DAPO's prompt asks for it) or the last \boxed{}, whichever comes last.
+MATH_ANSWER = "megarl.rewards.boxed_math:score_math_answer"
 SYNTHETIC_DIGITS = "megarl.rewards.synthetic_task:score_digits"
 
+# Every data_source that verl's default scorer routes, to the scorer of the same kind here.
 DEFAULT_ROUTES: dict[str, str] = {
     "openai/gsm8k": GSM8K,
     "gsm8k": GSM8K,
-    "math": BOXED_MATH,
+    "math": MATH_ANSWER,
     "lighteval/MATH": BOXED_MATH,
     "DigitalLearningGmbH/MATH-lighteval": BOXED_MATH,
-    "math_dapo": BOXED_MATH,
+    "HuggingFaceH4/MATH-500": BOXED_MATH,
+    "hiyouga/geometry3k": BOXED_MATH,
+    "math_dapo": MATH_ANSWER,
+    "math_dapo_reasoning": MATH_ANSWER,
     "synthetic/digits": SYNTHETIC_DIGITS,
 }
+# Families named by a prefix, as verl does (``aime2024``, ``aime_2025``, ``numina_olympiads``, ...).
+DEFAULT_PREFIX_ROUTES: dict[str, str] = {
+    "aime": MATH_ANSWER,
+    "numina_": MATH_ANSWER,
+}
+# verl scores these by running the response's code against test cases; megarl has no built-in sandbox.
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+CUSTOM_SCORER_HINT = ("set reward_model.custom_function.path=<file.py> (and .name=<function>, called as "
+                      "fn(data_source, solution_str, ground_truth, extra_info) -> float) to score it yourself")
 
 ScorerFn = Callable[[str, str], float]
 
@@ -46,30 +63,41 @@ def resolve_scorer(target: str | ScorerFn) -> ScorerFn:
 
 
 class ScorerRouter:
-    """data_source -> scorer, with caller entries layered over `DEFAULT_ROUTES`; imports on first use."""
+    """data_source -> scorer: caller entries, then ``DEFAULT_ROUTES``, then the longest matching prefix of
+    ``DEFAULT_PREFIX_ROUTES``; imports on first use."""
 
     def __init__(self, routes: Mapping[str, str | ScorerFn] | None = None, *, use_defaults: bool = True):
         self._routes: dict[str, str | ScorerFn] = dict(DEFAULT_ROUTES) if use_defaults else {}
         self._routes.update(routes or {})
+        self._prefixes: dict[str, str | ScorerFn] = dict(DEFAULT_PREFIX_ROUTES) if use_defaults else {}
         self._resolved: dict[str, ScorerFn] = {}
 
     def known_sources(self) -> list[str]:
-        return sorted(self._routes)
+        return sorted(self._routes) + sorted(f"{prefix}*" for prefix in self._prefixes)
+
+    def _target(self, data_source: str) -> str | ScorerFn | None:
+        if data_source in self._routes:
+            return self._routes[data_source]
+        prefixes = [p for p in self._prefixes if data_source.startswith(p)]
+        return self._prefixes[max(prefixes, key=len)] if prefixes else None
 
     def check_known(self, data_source: str, index: int | None = None) -> None:
-        if data_source not in self._routes:
+        if self._target(data_source) is None:
             where = "" if index is None else f" (sample {index})"
+            if data_source in CODE_SOURCES:
+                raise ValueError(f"data_source {data_source!r}{where} is scored by running code against tests, "
+                                 f"which megarl does not build in; {CUSTOM_SCORER_HINT}")
             raise ValueError(
                 f"no reward scorer for data_source {data_source!r}{where}; known: {', '.join(self.known_sources())}"
-                " (add a route or pass a custom reward function)"
+                f"; {CUSTOM_SCORER_HINT}"
             )
 
     def scorer_name(self, data_source: str) -> str:
-        target = self._routes[data_source]
+        target = self._target(data_source)
         return target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
 
     def scorer_for(self, data_source: str) -> ScorerFn:
         self.check_known(data_source)
         if data_source not in self._resolved:
-            self._resolved[data_source] = resolve_scorer(self._routes[data_source])
+            self._resolved[data_source] = resolve_scorer(self._target(data_source))
         return self._resolved[data_source]

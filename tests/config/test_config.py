@@ -116,6 +116,23 @@ def test_estimator_and_loss_choices_match_algorithm_registries():
     assert set(POLICY_LOSSES) - {"dual_clip"} == set(REGISTERED_LOSSES.names())
 
 
+def test_ppo_clip_takes_verls_dual_clip_by_default():
+    """verl's default policy loss always bounds negative-advantage tokens by clip_ratio_c (3.0): a verl recipe
+    ported as is must train the same way here; null turns the dual clip off."""
+    from megarl.controller.workers import policy_loss_arguments
+
+    def arguments(*overrides):
+        return policy_loss_arguments(load_config(overrides=list(overrides)).actor_rollout_ref.actor)
+
+    assert arguments() == dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    assert arguments("actor_rollout_ref.actor.clip_ratio_c=2.5")["clip_ratio_c"] == 2.5
+    assert arguments("actor_rollout_ref.actor.policy_loss=dual_clip") == arguments()
+    assert arguments("actor_rollout_ref.actor.clip_ratio_c=null")["clip_ratio_c"] is None
+    assert arguments("actor_rollout_ref.actor.policy_loss=gspo")["clip_ratio_c"] is None
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.clip_ratio_c .* must be > 1, or null"):
+        arguments("actor_rollout_ref.actor.clip_ratio_c=0.5")
+
+
 def test_every_shipped_recipe_validates():
     recipes = sorted((REPO / "configs").glob("*.yaml"))
     assert recipes, "configs/ ships recipes"

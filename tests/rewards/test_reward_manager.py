@@ -32,8 +32,42 @@ def test_synthetic_digits_route_is_lazy_string():
 
 
 def test_unknown_data_source_lists_known_ones_even_with_zero_policy():
-    with pytest.raises(ValueError, match=r"'aime' \(sample 1\); known: .*gsm8k.*synthetic/digits"):
-        RewardManager(on_error="zero").score_batch(["gsm8k", "aime"], ["#### 1", "x"], ["1", "2"])
+    with pytest.raises(ValueError, match=r"'my_set' \(sample 1\); known: .*gsm8k.*synthetic/digits.*aime\*.*"
+                                         r"reward_model.custom_function.path"):
+        RewardManager(on_error="zero").score_batch(["gsm8k", "my_set"], ["#### 1", "x"], ["1", "2"])
+
+
+# Every math data_source verl's default scorer routes (verl/utils/reward_score/__init__.py); openai/gsm8k is
+# tested above and the code-execution sources below.
+VERL_SOURCES = ["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+                "math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime_2025", "numina_aops_forum",
+                "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc", "numina_cn_k12",
+                "numina_olympiads", "hiyouga/geometry3k"]
+
+
+@pytest.mark.parametrize("source", VERL_SOURCES)
+def test_every_verl_math_source_is_routed(source):
+    right, wrong = RewardManager().score_batch([source, source], [r"so \boxed{-\frac{1}{2}}", r"\boxed{2}"],
+                                               ["-1/2", "-1/2"]).scores.tolist()
+    assert (right, wrong) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("source", ["math_dapo", "aime2024", "numina_olympiads", "math"])
+def test_dapo_answer_line_and_unicode_minus(source):
+    responses = ["Let me think.\nAnswer: \u22123", "reasoning\n**Answer:** -3.", "\\boxed{4}\nAnswer: -3",
+                 "Answer: -3\nactually \\boxed{4}", "no final line, -3"]
+    assert RewardManager().score_batch([source] * 5, responses, ["-3"] * 5).scores.tolist() == [1, 1, 1, 0, 0]
+
+
+def test_unicode_minus_in_gsm8k_and_boxed_math():
+    result = RewardManager().score_batch(["openai/gsm8k", "lighteval/MATH"], ["#### \u221212", "\\boxed{\u22120.5}"],
+                                         ["-12", r"-\frac{1}{2}"])
+    assert result.scores.tolist() == [1.0, 1.0]
+
+
+def test_code_sources_say_how_to_score_them():
+    with pytest.raises(ValueError, match=r"'codeforces' .* running code.*reward_model.custom_function.path"):
+        RewardManager().score_batch(["codeforces"], ["print(1)"], ["1"])
 
 
 def test_length_mismatch_names_field():
