@@ -47,9 +47,10 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    # The schedule counts training steps (as verl does): every mini-batch of a step uses that step's lr.
     lr_warmup_steps: int = 0
     lr_decay_style: str = "constant"  # constant | cosine | linear
-    lr_decay_steps: Optional[int] = None  # defaults to the run's total steps
+    lr_decay_steps: Optional[int] = None  # defaults to trainer.total_training_steps
 
 
 @dataclass

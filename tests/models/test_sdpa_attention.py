@@ -16,6 +16,7 @@ from megarl.models.sdpa_attention import prepare_sdpa_mask
 from megarl.models.tiny import save_tiny_hf_checkpoint
 from tests.dist_harness import run_distributed
 from tests.models.sdpa_workers import compare_core_attentions
+from tests.numerics import FP32_REORDERED, assert_close_to_scale
 
 ARCHS = ("qwen2", "deepseek_v3")
 LAYOUTS = [("tp1", dict()), ("tp2", dict(tensor_parallel=2))]
@@ -50,22 +51,23 @@ def per_rank(tmp_path_factory):
     return run_distributed(compare_core_attentions, 2, LAYOUTS, hf_dirs, timeout_s=300)
 
 
-def _assert_same(local, sdpa, what, *, logits_atol=1e-5, grad_atol=1e-5, grad_rtol=1e-4):
+def _assert_same(local, sdpa, what, *, relative=FP32_REORDERED):
     assert local["core_modules"] in ({"DotProductAttention"}, {"MLACompatibleDotProductAttention"}), \
         local["core_modules"]
     assert sdpa["core_modules"] == {"SDPADotProductAttention"}, sdpa["core_modules"]
     real = local["real"].bool()
     assert local["logits"][real].abs().max() > 0.1, "degenerate logits would prove nothing"
     # Real positions match; padding positions differ by design (documented) but must stay finite.
-    torch.testing.assert_close(sdpa["logits"][real], local["logits"][real], atol=logits_atol, rtol=0,
-                               msg=lambda m: f"{what} logits: {m}")
+    assert_close_to_scale(sdpa["logits"][real], local["logits"][real], relative, f"{what} logits")
     assert torch.isfinite(sdpa["logits"]).all()
-    torch.testing.assert_close(sdpa["loss"], local["loss"], atol=100 * logits_atol, rtol=1e-6)
+    assert_close_to_scale(sdpa["loss"], local["loss"], relative, f"{what} loss")
     assert local["grads"].keys() == sdpa["grads"].keys() and len(local["grads"]) > 10
     for name, grad in local["grads"].items():
-        assert grad.abs().max() > 0 or "expert" in name or "router" in name, f"{name}: zero gradient"
-        torch.testing.assert_close(sdpa["grads"][name], grad, atol=grad_atol, rtol=grad_rtol,
-                                   msg=lambda m: f"{what} grad {name}: {m}")
+        if grad.abs().max() == 0:
+            assert "expert" in name or "router" in name, f"{name}: zero gradient"
+            assert sdpa["grads"][name].abs().max() == 0, f"{what} grad {name}: zero in local, not in sdpa"
+            continue
+        assert_close_to_scale(sdpa["grads"][name], grad, relative, f"{what} grad {name}")
     assert "packed_seq_params.qkv_format 'sbhd'" in sdpa["packed_error"]
 
 
@@ -92,8 +94,9 @@ def test_sdpa_matches_local_attention_on_cuda(tmp_path):
         runs[dtype_name, pads] = run_distributed(compare_core_attentions, 1, [("tp1", {})], hf_dirs, "cuda",
                                                  dtype_name, pads, timeout_s=240)[0]
     fp32 = runs["float32", (0, 3, 7)]
+    # TF32-free fp32 on the GPU, but flash/memory-efficient kernels reorder more: 10x the CPU bound
     _assert_same(fp32["tp1", "qwen2", "local"], fp32["tp1", "qwen2", "sdpa"], "cuda fp32",
-                 logits_atol=1e-4, grad_atol=1e-4, grad_rtol=1e-3)
+                 relative=10 * FP32_REORDERED)
     for pads in ((0, 3, 7), (0, 0, 0)):
         reference = runs["float32", pads]["tp1", "qwen2", "local"]
         real = reference["real"].bool()

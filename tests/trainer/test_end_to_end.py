@@ -272,3 +272,36 @@ def test_device_follows_the_cluster_not_the_driver():
     assert resolve_device(load_config(overrides=["trainer.device=auto"]), cluster_gpus=0.0) == "cpu"
     with pytest.raises(RuntimeError, match="the Ray cluster has no GPU"):
         resolve_device(load_config(overrides=["trainer.device=cuda"]), cluster_gpus=0.0)
+
+
+def _hand_computed_lr(step: int, *, peak: float, floor: float, warmup: int, decay_steps: int, style: str) -> float:
+    """The lr of training step ``step`` (1-based): the schedule has advanced ``step - 1`` times, once per step."""
+    import math
+
+    k = step - 1
+    if warmup and k <= warmup:
+        return peak * k / warmup  # linear warmup from 0
+    ratio = (k - warmup) / (decay_steps - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1) if style == "cosine" else 1 - ratio
+    return floor + coeff * (peak - floor)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("style,warmup,decay", [("cosine", 1, None), ("linear", 0, 4)])
+def test_lr_schedule_counts_training_steps(tmp_path, style, warmup, decay):
+    """grpo_tiny takes 4 mini-batches (optimizer steps) per training step; the schedule still counts training
+    steps, as verl does: a cosine over the run's 6 steps (default decay steps) ends with the run instead of at
+    step 2, and an explicit decay of 4 steps reaches the floor at step 5. actor/lr is logged every step."""
+    peak, floor = 2e-3, 1e-4
+    steps = 6
+    overrides = [f"trainer.total_training_steps={steps}", "trainer.backend=inprocess",
+                 f"actor_rollout_ref.actor.optim.lr_decay_style={style}",
+                 f"actor_rollout_ref.actor.optim.lr_warmup_steps={warmup}",
+                 f"actor_rollout_ref.actor.optim.min_lr={floor}", f"actor_rollout_ref.actor.optim.lr={peak}"]
+    if decay:
+        overrides.append(f"actor_rollout_ref.actor.optim.lr_decay_steps={decay}")
+    history = _run(_config(tmp_path, *overrides))
+    expected = [_hand_computed_lr(s, peak=peak, floor=floor, warmup=warmup, decay_steps=decay or steps, style=style)
+                if s - 1 <= (decay or steps) else floor for s in range(1, steps + 1)]
+    assert [h["actor/lr"] for h in history] == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert min(expected[1:]) >= floor and expected[-1] > floor if decay is None else expected[-1] == floor

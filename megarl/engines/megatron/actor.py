@@ -138,4 +138,5 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                 metrics = self.reduce_step_metrics(reported, names)
                 metrics.update(self.optimizer_step())
                 steps.append(metrics)
+        self.advance_lr_schedule()
         return average_metrics(steps)

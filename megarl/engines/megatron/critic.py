@@ -119,4 +119,5 @@ class CriticEngine(MegatronEngine):
                 metrics = self.reduce_step_metrics(reported, names)
                 metrics.update(self.optimizer_step())
                 steps.append(metrics)
+        self.advance_lr_schedule()
         return average_metrics(steps)

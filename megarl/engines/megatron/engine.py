@@ -385,14 +385,20 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
     def optimizer_step(self) -> dict[str, float]:
-        """One optimizer + LR-scheduler step; returns grad_norm (pre-clip, global) and the lr used."""
+        """One optimizer step (one mini-batch); returns grad_norm (pre-clip, global) and the lr used. The LR
+        schedule does not move here: see :meth:`advance_lr_schedule`."""
         lr = self.optimizer.param_groups[0]["lr"]
         with cuda_tensors_on_cpu():
             success, grad_norm, _ = self.optimizer.step()
         if not success:
             raise FloatingPointError("megatron optimizer step was skipped (inf/nan gradients)")
-        self.lr_scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
+
+    def advance_lr_schedule(self) -> None:
+        """One step of the LR schedule per training step (one ``update_*`` call), whatever its number of
+        mini-batches and epochs: the unit verl uses, so ``optim.lr_warmup_steps``/``lr_decay_steps`` count
+        training steps and a schedule over ``trainer.total_training_steps`` ends with the run."""
+        self.lr_scheduler.step(increment=1)
 
     # ------------------------------------------------------------------ collectives over the replica
 

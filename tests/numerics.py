@@ -1,0 +1,25 @@
+"""Comparisons whose tolerance follows from the numerics, not from the machine that ran them.
+
+Two fp32 computations of the same quantity that differ only in the order of their sums (another kernel,
+another tensor-parallel split, another CPU vector width: AVX2 and AVX-512 block reductions differently)
+differ by about sqrt(n) * 2**-24 of the summed terms' magnitude, so the bound is relative to the tensor's
+own scale (its largest entry), not an absolute number that holds for one tensor size on one machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# fp32 results of reordered sums over up to ~1e4 terms: ~sqrt(1e4) * 6e-8 = 6e-6 of the terms' scale, times
+# ~10 for cancellation; 1e-4 of the largest entry is still ~1e3x below what a wrong mask, scale or shard gives.
+FP32_REORDERED = 1e-4
+# fp32 against an fp64 reference of the same formula (only fp32's own rounding on one side)
+FP32_VS_FP64 = 1e-5
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, relative: float, what: str = "") -> None:
+    """max |actual - expected| <= relative * max |expected| (compared in fp64)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.double().abs().max()
+    error = (actual.double() - expected.double()).abs().max()
+    assert error <= relative * scale, f"{what}: max error {error:.3g} > {relative:g} x max |expected| {scale:.3g}"
