@@ -178,6 +178,8 @@ class OverlongBufferConfig:
 class RewardConfig:
     reward_manager: str = "naive"
     on_error: str = "fail"  # fail | zero
+    # with on_error=zero: a batch where more than this fraction of the samples failed still fails the run
+    max_error_fraction: float = 0.5
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 

@@ -6,14 +6,17 @@ the data_source picks a built-in scorer (`routing.py`). A scorer result must be 
 a finite number under "score" whose other entries travel as per-sample extra info (numeric ones also as metrics).
 
 Error policy: `on_error="fail"` raises `RewardError` naming the sample, data_source, scorer and the cause;
-`on_error="zero"` scores the sample 0, records the message in its extra info and counts it in
-`reward/num_errors`. An unknown data_source is a configuration error and always raises.
+`on_error="zero"` scores the sample 0, records the message in its extra info, counts it in
+`reward/num_errors` and warns on stderr with the batch's first error; a batch where more than
+`max_error_fraction` of the samples failed raises `RewardError` all the same (a scorer that fails everywhere is
+a broken scorer, not noise). An unknown data_source is a configuration error and always raises.
 Leaves out: parallel / async scoring, model-based reward models, decoding token ids to text.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,12 +67,16 @@ class RewardManager:
         custom_fn: Callable[[str, str, str, dict], object] | None = None,
         routes: Mapping[str, str | ScorerFn] | None = None,
         on_error: str = "fail",
+        max_error_fraction: float = 0.5,
     ):
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"on_error must be one of {ON_ERROR_POLICIES}, got {on_error!r}")
+        if not 0.0 <= max_error_fraction <= 1.0:
+            raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
         self.custom_fn = custom_fn
         self.router = ScorerRouter(routes)
         self.on_error = on_error
+        self.max_error_fraction = max_error_fraction
 
     def _scorer_name(self, data_source: str) -> str:
         if self.custom_fn is not None:
@@ -101,6 +108,7 @@ class RewardManager:
         scores: list[float] = []
         per_sample: list[dict] = []
         num_errors = 0
+        first_error = ""
         for i in range(batch):
             source = data_sources[i]
             try:
@@ -114,9 +122,17 @@ class RewardManager:
                 if self.on_error == "fail":
                     raise RewardError(message) from exc
                 num_errors += 1
+                first_error = first_error or message
                 score, extras = 0.0, {"reward_error": message}
             scores.append(score)
             per_sample.append(extras)
+        if num_errors:
+            summary = (f"{num_errors} of {batch} samples failed to score (reward_model.on_error=zero scored them 0); "
+                       f"first: {first_error}")
+            if num_errors > self.max_error_fraction * batch:
+                raise RewardError(f"{summary}; that is more than reward_model.max_error_fraction="
+                                  f"{self.max_error_fraction} of the batch")
+            print(f"[megarl] warning: {summary}", file=sys.stderr, flush=True)
 
         return RewardResult(
             scores=torch.tensor(scores, dtype=torch.float32),

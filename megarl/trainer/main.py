@@ -69,7 +69,8 @@ def build_reward_manager(cfg: MegarlConfig):
 
     custom = cfg.reward_model.custom_function
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
-    return RewardManager(custom_fn=custom_fn, on_error=cfg.reward_model.on_error)
+    return RewardManager(custom_fn=custom_fn, on_error=cfg.reward_model.on_error,
+                         max_error_fraction=cfg.reward_model.max_error_fraction)
 
 
 def run(cfg: MegarlConfig) -> list[dict]:

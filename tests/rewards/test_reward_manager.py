@@ -158,12 +158,24 @@ def test_fail_policy_names_sample_source_scorer_and_cause(kind, cause):
 
 @pytest.mark.parametrize("kind", sorted(BAD_SCORERS))
 def test_zero_policy_scores_zero_and_counts(kind):
-    manager = RewardManager(routes={"ok": lambda s, gt: 1.0, "bad": BAD_SCORERS[kind]}, on_error="zero")
+    manager = RewardManager(routes={"ok": lambda s, gt: 1.0, "bad": BAD_SCORERS[kind]}, on_error="zero",
+                            max_error_fraction=1.0)
     result = manager.score_batch(["ok", "bad", "bad"], ["x", "y", "z"], ["x", "y", "z"])
     assert result.scores.tolist() == [1.0, 0.0, 0.0]
     assert result.metrics["reward/num_errors"] == 2.0
     assert "sample 2" in result.extra_infos[2]["reward_error"]
     assert result.metrics["reward/bad/mean_score"] == 0.0
+
+
+def test_zero_policy_warns_with_the_first_error_and_fails_past_the_fraction(capsys):
+    nan_everywhere = RewardManager(routes={"bad": lambda s, gt: float("nan")}, on_error="zero")
+    with pytest.raises(RewardError, match=r"4 of 4 samples failed .*first: .*sample 0.*finite.*max_error_fraction=0.5"):
+        nan_everywhere.score_batch(["bad"] * 4, ["a", "b", "c", "d"], ["1"] * 4)
+    mostly_fine = RewardManager(routes={"ok": lambda s, gt: 1.0, "bad": lambda s, gt: float("nan")}, on_error="zero")
+    result = mostly_fine.score_batch(["ok", "bad", "ok", "ok"], ["a", "b", "c", "d"], ["1"] * 4)
+    assert result.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+    warning = capsys.readouterr().err
+    assert "1 of 4 samples failed to score" in warning and "sample 1" in warning and "finite" in warning
 
 
 def test_bad_policy_name():
