@@ -96,6 +96,8 @@ class RLDataset:
         self.filtered_rows: list[tuple[str, int, int]] = []  # (file, row, token length) of each dropped prompt
         for path in self.files:
             self._load_file(path)
+        if not self.items and not self.filtered_rows:
+            raise ValueError(f"no rows in {[str(f) for f in self.files]}: the parquet file(s) are empty")
         if not self.items:
             raise ValueError(
                 f"no prompts left in {[str(f) for f in self.files]}: all {self.num_filtered} rows are longer than "

@@ -25,6 +25,19 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def open_safetensors(path: str):
+    """``safe_open(path)``, with an error that names the file when its header or size is broken (a truncated
+    download or copy: safetensors' own message does not say which file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except SafetensorError as exc:
+        size = os.path.getsize(path)
+        raise ValueError(f"{path} ({size} bytes) is not a readable safetensors file, truncated or corrupt "
+                         f"({exc}); copy or download it again") from exc
+
+
 class HFCheckpointReader:
     def __init__(self, hf_dir: str | os.PathLike):
         self.hf_dir = os.fspath(hf_dir)
@@ -37,9 +50,7 @@ class HFCheckpointReader:
                 raise ValueError(f"{index} has no 'weight_map' object")
             self._file_of = dict(weight_map)
         elif os.path.isfile(single):
-            from safetensors import safe_open
-
-            with safe_open(single, framework="pt") as handle:
+            with open_safetensors(single) as handle:
                 self._file_of = {name: SINGLE_FILE for name in handle.keys()}
         else:
             raise FileNotFoundError(f"no {INDEX_FILE} or {SINGLE_FILE} in {self.hf_dir}")
@@ -59,12 +70,10 @@ class HFCheckpointReader:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.hf_dir}")
         file = self._file_of[name]
         if file not in self._handles:
-            from safetensors import safe_open
-
             path = os.path.join(self.hf_dir, file)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{INDEX_FILE} names {file} for {name!r}, but {path} does not exist")
-            self._handles[file] = safe_open(path, framework="pt")
+            self._handles[file] = open_safetensors(path)
         return self._handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:

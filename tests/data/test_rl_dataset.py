@@ -155,3 +155,10 @@ def test_collate_left_pads(tmp_path, tokenizer):
     assert batch.input_ids.dtype == torch.long
     with pytest.raises(ValueError, match="empty list"):
         collate_prompts([], pad_token_id=0)
+
+
+def test_empty_parquet_says_empty(tmp_path, tokenizer):
+    path = _write(tmp_path / "none.parquet", ["copy 1"])
+    pq.write_table(pq.read_table(path).slice(0, 0), path)  # the same columns, 0 rows
+    with pytest.raises(ValueError, match=r"no rows in .*none.parquet.*empty"):
+        RLDataset(path, tokenizer, max_prompt_length=64)
