@@ -46,7 +46,7 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.gpu_memory_utilization=0.5 actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true \
   actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 ++actor_rollout_ref.rollout.ignore_eos=true \
   trainer.logger='["console"]' trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps="${STEPS:-4}" \
-  trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false trainer.project_name=verl_baseline \
+  trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false trainer.project_name=verl_baseline trainer.use_v1=false \
   trainer.experiment_name="$SHAPE" > "$OUT/verl_$SHAPE.log" 2>&1
 rc=$?
 echo "verl rc=$rc"
