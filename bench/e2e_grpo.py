@@ -166,6 +166,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--gen-alone", action="store_true")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--work", default="/tmp/megarl_e2e")
+    parser.add_argument("--prepare-only", action="store_true", help="write model, tokenizer and prompts, then stop")
     parser.add_argument("--out")
     parser.add_argument("override", nargs="*", help="extra a.b.c=value trainer overrides")
     args = parser.parse_args(argv)
@@ -180,6 +181,8 @@ def main(argv=None) -> dict:
         write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"])
     write_prompts(work / "prompts.parquet", rows=args.prompts * args.steps, prompt_len=args.prompt_len,
                   vocab_size=hf_cfg["vocab_size"])
+    if args.prepare_only:
+        return {}
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
                       overrides=trainer_overrides(args, work))
     start = time.perf_counter()
