@@ -1,10 +1,11 @@
 """Peak GPU memory per phase of a step (generation, log-probs, update, weight sync), as metrics.
 
-Two numbers per phase, because the hybrid engine's memory lives in two places: ``max_allocated_gb`` is the
-peak of PyTorch's caching allocator during the phase (Megatron's params, grads, optimizer states and
-activations; vLLM's sleep-mode pool is outside it), ``device_used_gb`` what the whole device had in use
-when the phase ended (every allocator and process, vLLM's weights and KV cache included). On CPU nothing
-is recorded. Leaves out: host memory.
+``memory/<phase>/peak_gb`` is the device-wide peak of the phase: what the device had in use when the phase
+began plus the most PyTorch's caching allocator grew above its level at that moment. The device-wide count
+(every allocator and process) is the base because PyTorch's own counters cannot be: vLLM's sleep-mode pool
+hands out tensors that stay "allocated" while asleep (their pages are unmapped), so an allocator peak would
+count a sleeping KV cache as used. ``memory/<phase>/device_used_gb`` is the device-wide use when the phase
+ended. On CPU nothing is recorded. Leaves out: host memory, other processes' growth during a phase.
 """
 
 from __future__ import annotations
@@ -28,14 +29,22 @@ class PhaseMemory:
             yield
             return
         torch.cuda.reset_peak_memory_stats()
+        allocated_at_start = torch.cuda.memory_allocated()
+        used_at_start = _device_used()
         try:
             yield
         finally:
-            free, total = torch.cuda.mem_get_info()
-            self.peaks[f"memory/{phase}/max_allocated_gb"] = torch.cuda.max_memory_allocated() / _GB
-            self.peaks[f"memory/{phase}/device_used_gb"] = (total - free) / _GB
+            used_at_end = _device_used()
+            growth = torch.cuda.max_memory_allocated() - allocated_at_start
+            self.peaks[f"memory/{phase}/peak_gb"] = max(used_at_start + growth, used_at_end) / _GB
+            self.peaks[f"memory/{phase}/device_used_gb"] = used_at_end / _GB
 
     def as_metrics(self) -> dict[str, float]:
         """What was recorded since the last call (then forgotten: one step's phases at a time)."""
         metrics, self.peaks = self.peaks, {}
         return metrics
+
+
+def _device_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
