@@ -25,8 +25,8 @@ import torch
 from megarl.batch import TrainBatch
 from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
-from megarl.controller.rollout_replicas import RolloutReplica, form_rollout_replicas, generate_in_replica
 from megarl.controller.phase_memory import PhaseMemory
+from megarl.controller.rollout_replicas import RolloutReplica, form_rollout_replicas, generate_in_replica
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.engine import MicroBatching
 from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
