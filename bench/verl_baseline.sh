@@ -4,6 +4,8 @@
 # $SHAPE (default 0.5b) under /tmp/megarl_e2e, with vLLM + Ray staged (../shared/device) and verl's wheels in
 # $VERL_WHEELS (verl 0.9.1 and the pure-Python packages the box lacks; see docs/device_runs.md).
 # Writes $OUT/verl_$SHAPE.log; the per-step timing_s/* and perf/throughput lines are verl's own console logger.
+# The box has no flash-attn: verl's FSDP model then takes SDPA attention and no remove-padding (verl's
+# unpadding helpers come from flash-attn), which costs verl some speed that flash-attn would give it back.
 set -uo pipefail
 SHAPE=${SHAPE:-0.5b}; WORK=/tmp/megarl_e2e/$SHAPE; OUT=${OUT:-/tmp}; VERL_WHEELS=${VERL_WHEELS:-.verl}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verl_site "$VERL_WHEELS"/*.whl || exit 1
@@ -37,7 +39,8 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   data.train_files="$WORK/verl_prompts.parquet" data.val_files="$WORK/verl_prompts.parquet" \
   data.train_batch_size="${PROMPTS:-64}" data.max_prompt_length=512 data.max_response_length="${RESPONSE_LEN:-1024}" \
   data.filter_overlong_prompts=false data.truncation=error \
-  actor_rollout_ref.model.path="$WORK/verl_model" actor_rollout_ref.model.use_remove_padding=true \
+  actor_rollout_ref.model.path="$WORK/verl_model" actor_rollout_ref.model.use_remove_padding=false \
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size="${PROMPTS:-64}" \
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
   actor_rollout_ref.actor.use_kl_loss=false actor_rollout_ref.actor.entropy_coeff=0 \
