@@ -91,10 +91,15 @@ class RLTrainer:
             metrics = self.train_step(step)
             if self.val_dataset is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
                 metrics.update(self.validate())
+            staging = None
             if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
                 with timed("save_checkpoint", metrics):
-                    self.save_checkpoint()
+                    staging = self.write_checkpoint()
+            # Logged before the checkpoint commits: a run killed in between redoes this step on resume (whose
+            # rows past the checkpoint are dropped first), instead of resuming after a step it never logged.
             self.logger.log(metrics, step=step)
+            if staging is not None:
+                self.commit_checkpoint(staging)
             self.history.append({"step": step, **metrics})
             if progress is not None:
                 progress.update(1)
@@ -288,14 +293,18 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> None:
-        step = self.state.step
-        staging = self.checkpoints.begin(step)
+    def write_checkpoint(self) -> Path:
+        """Every role's state into the staging directory of this step (not yet a checkpoint)."""
+        staging = self.checkpoints.begin(self.state.step)
         self.actor.call("save_checkpoint", str(staging / "actor"))
         if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
             self.actor.call("save_hf", str(staging / "actor_hf"))
         if self.critic is not None:
             self.critic.call("save_checkpoint", str(staging / "critic"))
+        return staging
+
+    def commit_checkpoint(self, staging: Path) -> None:
+        step = self.state.step
         self.checkpoints.commit(step, staging, {
             "step": step, "train_loader": self.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
         })
@@ -318,6 +327,7 @@ class RLTrainer:
         self.train_loader.load_state_dict(state["train_loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.state.step = state["step"]
+        self.logger.forget_after(self.state.step)  # steps past the checkpoint are trained (and logged) again
         self.actor.call("sync_weights")  # the rollout engine must serve the restored policy
         print(f"resumed from {root} at step {self.state.step}", flush=True)
 

@@ -63,6 +63,18 @@ class MetricsLogger:
             tqdm.write(f"step {step}: " + "  ".join(shown), file=self.stream)
             self.stream.flush()
 
+    def forget_after(self, step: int) -> None:
+        """Drop the JSONL rows of steps after ``step`` (a resumed run trains them again), atomically.
+        TensorBoard files are append-only: a re-trained step appears there twice, the later value last."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        kept = [row for row in read_jsonl_metrics(self.jsonl_path) if row.get("step", 0) <= step]
+        partial = self.jsonl_path.with_suffix(".jsonl.partial")
+        partial.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        partial.replace(self.jsonl_path)
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
@@ -84,4 +96,13 @@ def timed(name: str, into: dict) -> Iterator[None]:
 
 
 def read_jsonl_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics file; a last line cut short by a kill is skipped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for index, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if index != len(lines) - 1:
+                raise ValueError(f"{path}: line {index + 1} is not JSON") from None
+    return rows

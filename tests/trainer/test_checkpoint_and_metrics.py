@@ -62,3 +62,16 @@ def test_metrics_reach_console_jsonl_and_tensorboard(tmp_path):
     scalars = events.Scalars("critic/score/mean")
     assert [(s.step, s.value) for s in scalars] == [(1, 0.25), (2, 0.5)]
     json.dumps(rows)  # plain floats only
+
+
+def test_resume_forgets_rows_past_the_checkpoint_and_a_cut_last_line(tmp_path):
+    from megarl.trainer.metrics import MetricsLogger, read_jsonl_metrics
+
+    logger = MetricsLogger(["jsonl"], tmp_path)
+    for step in (1, 2, 3):
+        logger.log({"x": step}, step=step)
+    logger._jsonl.write('{"step": 4, "x"')  # a kill in the middle of a line
+    logger.forget_after(2)
+    logger.log({"x": 3.5}, step=3)
+    logger.close()
+    assert [(r["step"], r["x"]) for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == [(1, 1), (2, 2), (3, 3.5)]

@@ -305,3 +305,31 @@ def test_lr_schedule_counts_training_steps(tmp_path, style, warmup, decay):
                 if s - 1 <= (decay or steps) else floor for s in range(1, steps + 1)]
     assert [h["actor/lr"] for h in history] == pytest.approx(expected, rel=1e-9, abs=1e-15)
     assert min(expected[1:]) >= floor and expected[-1] > floor if decay is None else expected[-1] == floor
+
+
+class _KilledAfterCommit(BaseException):
+    """Stands for a SIGKILL right after a checkpoint commit (BaseException: nothing in the trainer catches it)."""
+
+
+@pytest.mark.timeout(600)
+def test_a_kill_after_a_checkpoint_commit_loses_no_metrics_line(tmp_path, monkeypatch):
+    """Killed just after step 2's checkpoint committed: the resumed run starts at step 3, and metrics.jsonl
+    still holds every step exactly once (the step's line is written before its checkpoint commits)."""
+    from megarl.trainer.checkpoint import CheckpointManager
+
+    commit = CheckpointManager.commit
+
+    def commit_then_die(self, step, staging, state):
+        result = commit(self, step, staging, state)
+        if step == 2:
+            raise _KilledAfterCommit()
+        return result
+
+    overrides = ("trainer.backend=inprocess", "trainer.save_freq=1", "trainer.logger=['jsonl']")
+    monkeypatch.setattr(CheckpointManager, "commit", commit_then_die)
+    with pytest.raises(_KilledAfterCommit):
+        _run(_config(tmp_path, "trainer.total_training_steps=4", *overrides))
+    monkeypatch.setattr(CheckpointManager, "commit", commit)
+    resumed = _run(_config(tmp_path, "trainer.total_training_steps=4", *overrides))
+    assert [h["step"] for h in resumed] == [3, 4]
+    assert [r["step"] for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
