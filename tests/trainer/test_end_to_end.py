@@ -333,3 +333,17 @@ def test_a_kill_after_a_checkpoint_commit_loses_no_metrics_line(tmp_path, monkey
     resumed = _run(_config(tmp_path, "trainer.total_training_steps=4", *overrides))
     assert [h["step"] for h in resumed] == [3, 4]
     assert [r["step"] for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.timeout(600)
+def test_resume_takes_the_lr_schedule_from_the_new_config(tmp_path, capfd):
+    """A cosine run of 3 steps is extended to 5 with a new peak lr: the resumed steps follow the new schedule
+    (decay over 5 steps, new peak) from the checkpoint's position, and the log says what came from where."""
+    common = ("trainer.backend=inprocess", "trainer.save_freq=3", "actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+              "actor_rollout_ref.actor.optim.min_lr=1e-4")
+    _run(_config(tmp_path, "trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=2e-3", *common))
+    resumed = _run(_config(tmp_path, "trainer.total_training_steps=5", "actor_rollout_ref.actor.optim.lr=1e-3", *common))
+    expected = [_hand_computed_lr(s, peak=1e-3, floor=1e-4, warmup=0, decay_steps=5, style="cosine") for s in (4, 5)]
+    assert [h["actor/lr"] for h in resumed] == pytest.approx(expected, rel=1e-9)
+    out = capfd.readouterr().out
+    assert "LR schedule from the config (changed since the checkpoint: max_lr 0.002 -> 0.001, lr_decay_steps 3 -> 5)" in out

@@ -190,6 +190,21 @@ def latest_step(root: str) -> Optional[int]:
         raise ValueError(f"{path}: expected an integer step, found {text!r}") from None
 
 
+_SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def _report_schedule_changes(scheduler, saved: dict, path: str) -> None:
+    """Say on rank 0 what a resume takes from where: the LR schedule from the config (see
+    ``build_lr_scheduler``), the position in it, the weights and the optimizer state from the checkpoint."""
+    if dist.get_rank() != 0:
+        return
+    changed = [f"{name} {saved[name]} -> {getattr(scheduler, name)}" for name in _SCHEDULE_FIELDS
+               if name in saved and saved[name] != getattr(scheduler, name)]
+    print(f"[megarl] resuming from {path}: weights, optimizer state and schedule position (step "
+          f"{saved.get('num_steps')}) from the checkpoint; LR schedule from the config"
+          + (f" (changed since the checkpoint: {', '.join(changed)})" if changed else ""), flush=True)
+
+
 def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optimizer: bool = True,
                     load_rng: bool = True) -> int:
     """Collective: restore ``engine`` from ``root`` (``latest`` when ``step`` is None). Returns the step.
@@ -223,6 +238,11 @@ def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optim
             with torch.no_grad():  # the distributed optimizer copies into fp32 main params that are leaves
                 engine.optimizer.load_state_dict(loaded["optimizer"])
             _restore_adam_steps(engine.optimizer)
+            _report_schedule_changes(engine.lr_scheduler, loaded["lr_scheduler"], path)
+            # megatron's param groups carry their own max_lr/min_lr, restored with the optimizer state above;
+            # the schedule reads those first, so they take the config's values too
+            for group in engine.optimizer.param_groups:
+                group.update(max_lr=engine.lr_scheduler.max_lr, min_lr=engine.lr_scheduler.min_lr)
             engine.lr_scheduler.load_state_dict(loaded["lr_scheduler"])
         if load_rng and same_layout:
             _set_rng_state(loaded["rng_state"][0])

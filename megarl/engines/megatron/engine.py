@@ -141,6 +141,11 @@ def build_lr_scheduler(optimizer, optimizer_config, schedule: LRScheduleConfig):
         end_wd=optimizer_config.weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
+        # On resume the schedule comes from this run's config (a run extended to more steps, or given a new lr,
+        # gets them) and only the position (steps done) from the checkpoint: megatron-LM's
+        # --override-opt_param-scheduler. megatron's default keeps the checkpoint's values without a word.
+        override_opt_param_scheduler=True,
+        use_checkpoint_opt_param_scheduler=False,
     )
 
 
