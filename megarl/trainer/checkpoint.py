@@ -13,6 +13,7 @@ checkpoints beyond ``max_to_keep`` are deleted after the marker moved on.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -46,6 +47,28 @@ class CheckpointManager:
             shutil.rmtree(staging)
         staging.mkdir(parents=True)
         return staging
+
+    def failed_write(self, step: int, staging: Path, error: BaseException) -> BaseException:
+        """What to raise when writing ``staging`` failed: the staging directory is removed (the last complete
+        checkpoint is untouched), and a full disk is said in words, with where and how much, instead of the
+        writer's own message (torch's is "unexpected pos 704 vs 598")."""
+        written = _tree_bytes(staging)
+        free = shutil.disk_usage(self.root).free  # before the partial write gives its space back
+        shutil.rmtree(staging, ignore_errors=True)
+        latest = self.latest_step()
+        previous = _tree_bytes(self.step_dir(latest)) if latest is not None else 0
+        # What the rest of this checkpoint needed: the previous one's size less what was written (the first
+        # checkpoint: at least as much again as it had written), with 1 MiB for files of its own.
+        still_needed = (previous - written if previous else written) + (1 << 20)
+        if not (_is_disk_full(error) or free < still_needed):
+            return error
+        kept = f"step {latest} is the last complete checkpoint, untouched" if latest is not None else \
+            "there is no earlier checkpoint"
+        return OSError(errno.ENOSPC, (
+            f"checkpoint of step {step} could not be written: the disk holding {self.root} is full "
+            f"({free:,} bytes free; this checkpoint had written {written:,} bytes when it failed, the previous one "
+            f"takes {previous:,}). Free space or set trainer.default_local_dir elsewhere (trainer.max_ckpt_to_keep "
+            f"bounds how many are kept); {kept}. The writer said: {type(error).__name__}: {error}"))
 
     def commit(self, step: int, staging: Path, trainer_state: dict) -> Path:
         _atomic_write_text(staging / "trainer_state.json", json.dumps(trainer_state, indent=1))
@@ -85,3 +108,19 @@ class CheckpointManager:
             return
         for step in self.finished_steps()[: -self.max_to_keep]:
             shutil.rmtree(self.step_dir(step), ignore_errors=True)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """ENOSPC anywhere in the cause chain or the message (Ray and torch re-wrap it as text)."""
+    seen = 0
+    while error is not None and seen < 10:
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False

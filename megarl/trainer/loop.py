@@ -296,11 +296,19 @@ class RLTrainer:
     def write_checkpoint(self) -> Path:
         """Every role's state into the staging directory of this step (not yet a checkpoint)."""
         staging = self.checkpoints.begin(self.state.step)
-        self.actor.call("save_checkpoint", str(staging / "actor"))
-        if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
-            self.actor.call("save_hf", str(staging / "actor_hf"))
-        if self.critic is not None:
-            self.critic.call("save_checkpoint", str(staging / "critic"))
+        try:
+            self.actor.call("save_checkpoint", str(staging / "actor"))
+            if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
+                self.actor.call("save_hf", str(staging / "actor_hf"))
+            if self.critic is not None:
+                self.critic.call("save_checkpoint", str(staging / "critic"))
+        except BaseException as error:  # torch's CheckpointException derives from BaseException
+            if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+                raise
+            reason = self.checkpoints.failed_write(self.state.step, staging, error)
+            if reason is error:
+                raise
+            raise reason from error
         return staging
 
     def commit_checkpoint(self, staging: Path) -> None:

@@ -2,6 +2,7 @@
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +76,39 @@ def test_resume_forgets_rows_past_the_checkpoint_and_a_cut_last_line(tmp_path):
     logger.log({"x": 3.5}, step=3)
     logger.close()
     assert [(r["step"], r["x"]) for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == [(1, 1), (2, 2), (3, 3.5)]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 7 MB tmpfs: room for one tiny-model checkpoint (~4.5 MB), not two. Needs root (CI runs as root)."""
+    import subprocess
+
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(mount_point)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.mark.timeout(300)
+def test_a_full_disk_is_said_in_words_and_loses_nothing(small_disk):
+    from megarl.config import load_config
+    from megarl.trainer.checkpoint import CheckpointManager
+    from megarl.trainer.main import run
+
+    out = small_disk / "run"
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml", [
+        "trainer.backend=inprocess", "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.logger=['jsonl']",
+        f"trainer.default_local_dir={out}"])
+    with pytest.raises(OSError, match=r"checkpoint of step 2 could not be written: the disk holding .*small/run/"
+                                      r"checkpoints is full \([\d,]+ bytes free; .*step 1 is the last complete "
+                                      r"checkpoint, untouched") as info:
+        run(cfg)
+    assert info.value.errno == 28  # ENOSPC
+    print(info.value)
+    checkpoints = CheckpointManager(out / "checkpoints")
+    assert checkpoints.latest_step() == 1 and checkpoints.load_trainer_state(1)["step"] == 1
+    assert not list((out / "checkpoints").glob("*.partial"))  # the failed write gave its space back
