@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -182,7 +183,15 @@ def cli(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as exc:  # bad data, a failing reward, a full disk, a dead worker: one line, traceback filed
+        log = Path(cfg.trainer.default_local_dir) / "error.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(traceback.format_exc())
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        print(f"error: {type(exc).__name__}: {first_line[:2000]}\n(full traceback: {log})", file=sys.stderr)
+        return 1
     return 0
 
 

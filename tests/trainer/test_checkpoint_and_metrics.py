@@ -112,3 +112,22 @@ def test_a_full_disk_is_said_in_words_and_loses_nothing(small_disk):
     checkpoints = CheckpointManager(out / "checkpoints")
     assert checkpoints.latest_step() == 1 and checkpoints.load_trainer_state(1)["step"] == 1
     assert not list((out / "checkpoints").glob("*.partial"))  # the failed write gave its space back
+
+
+def test_the_command_line_gives_data_errors_one_line_and_files_the_traceback(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megarl.trainer.main import cli
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "data_source": pa.array([], pa.string()),
+                             "reward_model": pa.array([], pa.struct([("ground_truth", pa.string())]))}), empty)
+    out = tmp_path / "run"
+    code = cli(["--config", str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml"),
+                f"data.train_files=['{empty}']", f"trainer.default_local_dir={out}", "trainer.backend=inprocess"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[0].startswith("error: ValueError: no rows in ") and "empty.parquet" in err[0], err
+    assert err[1] == f"(full traceback: {out / 'error.log'})" and len(err) == 2, err
+    assert "Traceback (most recent call last)" in (out / "error.log").read_text()
