@@ -25,6 +25,7 @@ import torch
 from megarl.batch import TrainBatch
 from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
+from megarl.controller.fault_injection import kill_point
 from megarl.controller.phase_memory import PhaseMemory
 from megarl.controller.rollout_replicas import RolloutReplica, form_rollout_replicas, generate_in_replica
 from megarl.controller.worker_env import init_torch_distributed
@@ -309,7 +310,7 @@ class ActorRolloutRefWorker(_MegatronRole):
         from megarl.engines.megatron.checkpoint import save_checkpoint
 
         self._enter_train_mode(weight_sync_follows=False)
-        return save_checkpoint(self.actor, root, step=0)
+        return save_checkpoint(self.actor, root, step=0, before_commit=lambda: kill_point("save_checkpoint"))
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, root: str) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from megarl.config import MegarlConfig, load_config, save_config
 from megarl.trainer.loop import RLTrainer, needs_reference
+from megarl.trainer.run_lock import RunLock
 
 
 def resolve_device(cfg: MegarlConfig, cluster_gpus: Optional[float] = None) -> str:
@@ -90,13 +91,13 @@ def run(cfg: MegarlConfig) -> list[dict]:
     total_steps = t.total_training_steps or len(train_loader) * t.total_epochs
     reward_manager = build_reward_manager(cfg)
     out_dir = Path(t.default_local_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "config.yaml")
-
+    lock = RunLock(out_dir)  # before anything is written there
     groups: list = []
-    logger = MetricsLogger(t.logger, out_dir)
+    logger = None
     started_ray = False
     try:
+        save_config(cfg, out_dir / "config.yaml")
+        logger = MetricsLogger(t.logger, out_dir)
         with_critic = bool(cfg.critic.enable)
         rollout_group = None
         actor_kwargs = dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg))
@@ -157,13 +158,15 @@ def run(cfg: MegarlConfig) -> list[dict]:
                             total_steps=total_steps)
         return trainer.fit()
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
         for group in groups:
             group.shutdown()
         if started_ray:
             from megarl.controller.ray_cluster import shutdown_ray
 
             shutdown_ray()
+        lock.release()
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:

@@ -131,3 +131,25 @@ def test_the_command_line_gives_data_errors_one_line_and_files_the_traceback(tmp
     assert err[0].startswith("error: ValueError: no rows in ") and "empty.parquet" in err[0], err
     assert err[1] == f"(full traceback: {out / 'error.log'})" and len(err) == 2, err
     assert "Traceback (most recent call last)" in (out / "error.log").read_text()
+
+
+def test_a_second_run_on_the_same_directory_names_the_first(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from megarl.trainer.run_lock import RunDirectoryInUse, RunLock
+
+    # the first run: another process holding the lock
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from megarl.trainer.run_lock import RunLock;"
+                               f" lock = RunLock({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryInUse, match=rf"is in use by pid {holder.pid} on .* since"):
+            RunLock(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    RunLock(tmp_path).release()  # a killed holder leaves the file, not the lock
+    assert os.path.exists(tmp_path / ".lock")

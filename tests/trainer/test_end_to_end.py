@@ -347,3 +347,27 @@ def test_resume_takes_the_lr_schedule_from_the_new_config(tmp_path, capfd):
     assert [h["actor/lr"] for h in resumed] == pytest.approx(expected, rel=1e-9)
     out = capfd.readouterr().out
     assert "LR schedule from the config (changed since the checkpoint: max_lr 0.002 -> 0.001, lr_decay_steps 3 -> 5)" in out
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_killed_inside_a_checkpoint_write_fails_fast_and_the_run_resumes(tmp_path, monkeypatch):
+    """SIGKILL of the worker after step 2's shards are written, before the commit (real Ray): the driver
+    names the worker and the method within seconds (megatron's writer used to leave a child holding the
+    worker's sockets, and the driver hung for ~7 minutes), step 1 stays the last checkpoint, and a rerun
+    resumes from it and finishes."""
+    import time
+
+    from megarl.controller.worker_group import WorkerError
+    from megarl.trainer.checkpoint import CheckpointManager
+
+    overrides = ("trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.worker_timeout_s=300")
+    monkeypatch.setenv("MEGARL_KILL_AT", "save_checkpoint:2")  # the workers inherit the driver's environment
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"save_checkpoint") as info:
+        _run(_config(tmp_path, *overrides))
+    assert time.monotonic() - start < 120, "the death of a worker must not wait for a timeout"
+    print(f"named in {time.monotonic() - start:.1f} s of run time: {str(info.value).splitlines()[0]}")
+    assert CheckpointManager(tmp_path / "checkpoints").latest_step() == 1
+    monkeypatch.delenv("MEGARL_KILL_AT")
+    resumed = _run(_config(tmp_path, *overrides))
+    assert [h["step"] for h in resumed] == [2, 3]

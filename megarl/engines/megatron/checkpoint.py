@@ -148,8 +148,10 @@ def in_process_save_strategy():
     return InProcessTorchDistSave("torch_dist", 1)
 
 
-def save_checkpoint(engine, root: str, *, step: int) -> str:
-    """Collective over all ranks: write ``root/iter_<step>`` and point ``latest`` at it. Returns its path."""
+def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
+    """Collective over all ranks: write ``root/iter_<step>`` and point ``latest`` at it. Returns its path.
+    ``before_commit()`` runs on every rank once the shards are written and before the rename (a test's
+    crash point: the hardest moment to die)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(root, _iter_dir(step))
@@ -163,6 +165,8 @@ def save_checkpoint(engine, root: str, *, step: int) -> str:
         state = _sharded_state_dict(engine, is_loading=False, with_optimizer=True, with_rng=True)
         state["step"] = step
         dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy())
+    if before_commit is not None:
+        before_commit()
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(final):
