@@ -332,7 +332,12 @@ def test_a_kill_after_a_checkpoint_commit_loses_no_metrics_line(tmp_path, monkey
     monkeypatch.setattr(CheckpointManager, "commit", commit)
     resumed = _run(_config(tmp_path, "trainer.total_training_steps=4", *overrides))
     assert [h["step"] for h in resumed] == [3, 4]
-    assert [r["step"] for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    rows = read_jsonl_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # and the interrupted curve is the uninterrupted one, value for value
+    straight = _run(_config(tmp_path / "straight", "trainer.total_training_steps=4", *overrides))
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+        assert [r[key] for r in rows] == [h[key] for h in straight], key
 
 
 @pytest.mark.timeout(600)
