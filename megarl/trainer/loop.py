@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -61,7 +61,7 @@ def split_evenly(items: list, parts: int) -> list[list]:
 class RLTrainer:
     def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, reward_manager, actor_group,
                  critic_group=None, rollout_group=None, logger: MetricsLogger, checkpoints: CheckpointManager,
-                 total_steps: int):
+                 total_steps: int, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_loader = train_loader
@@ -74,6 +74,7 @@ class RLTrainer:
         self.logger = logger
         self.checkpoints = checkpoints
         self.total_steps = total_steps
+        self.stop_requested = stop_requested  # a scheduler's stop signal: checkpoint after this step and end
         self.kl_ctrl = build_kl_controller(cfg)
         self.state = TrainerState()
         self.history: list[dict] = []
@@ -92,7 +93,8 @@ class RLTrainer:
             if self.val_dataset is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
                 metrics.update(self.validate())
             staging = None
-            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+            stopping = self.stop_requested()
+            if stopping or (t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)):
                 with timed("save_checkpoint", metrics):
                     staging = self.write_checkpoint()
             # Logged before the checkpoint commits: a run killed in between redoes this step on resume (whose
@@ -101,6 +103,10 @@ class RLTrainer:
             if staging is not None:
                 self.commit_checkpoint(staging)
             self.history.append({"step": step, **metrics})
+            if stopping:
+                print(f"[megarl] stopped after step {step} of {self.total_steps} with its checkpoint "
+                      f"({self.checkpoints.step_dir(step)}); the same command resumes", flush=True)
+                break
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}")

@@ -19,6 +19,7 @@ import torch
 from megarl.config import MegarlConfig, load_config, save_config
 from megarl.trainer.loop import RLTrainer, needs_reference
 from megarl.trainer.run_lock import RunLock
+from megarl.trainer.stop_signals import StopSignals
 
 
 def resolve_device(cfg: MegarlConfig, cluster_gpus: Optional[float] = None) -> str:
@@ -92,6 +93,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     reward_manager = build_reward_manager(cfg)
     out_dir = Path(t.default_local_dir)
     lock = RunLock(out_dir)  # before anything is written there
+    stop = StopSignals()
     groups: list = []
     logger = None
     started_ray = False
@@ -155,8 +157,9 @@ def run(cfg: MegarlConfig) -> list[dict]:
                             reward_manager=reward_manager, actor_group=actor, critic_group=critic, logger=logger,
                             rollout_group=rollout_group,
                             checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
-                            total_steps=total_steps)
-        return trainer.fit()
+                            total_steps=total_steps, stop_requested=lambda: stop.requested)
+        with stop:
+            return trainer.fit()
     finally:
         if logger is not None:
             logger.close()

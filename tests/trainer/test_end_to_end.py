@@ -376,3 +376,35 @@ def test_a_worker_killed_inside_a_checkpoint_write_fails_fast_and_the_run_resume
     monkeypatch.delenv("MEGARL_KILL_AT")
     resumed = _run(_config(tmp_path, *overrides))
     assert [h["step"] for h in resumed] == [2, 3]
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path):
+    """What Slurm's pre-timeout signal (--signal=B:TERM@300) or scancel does: the run ends with exit code 0 and a
+    checkpoint of the step it was in (no save_freq here), which the same command then resumes from."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from megarl.trainer.checkpoint import CheckpointManager
+
+    command = [sys.executable, "-m", "megarl.trainer.main", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),
+               "trainer.backend=inprocess", "trainer.total_training_steps=500", "trainer.save_freq=-1",
+               "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.progress_bar=false",
+               "trainer.logger=['jsonl']", f"trainer.default_local_dir={tmp_path}"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(read_jsonl_metrics(metrics)) >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "slow"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, output
+    stopped_at = CheckpointManager(tmp_path / "checkpoints").latest_step()
+    assert stopped_at is not None and stopped_at >= 2
+    assert [r["step"] for r in read_jsonl_metrics(metrics)] == list(range(1, stopped_at + 1))
+    assert f"stopped after step {stopped_at} of 500" in output and "SIGTERM received" in output
+    resumed = _run(_config(tmp_path, "trainer.backend=inprocess", f"trainer.total_training_steps={stopped_at + 1}"))
+    assert [h["step"] for h in resumed] == [stopped_at + 1]
