@@ -70,7 +70,16 @@ class CheckpointManager:
             f"takes {previous:,}). Free space or set trainer.default_local_dir elsewhere (trainer.max_ckpt_to_keep "
             f"bounds how many are kept); {kept}. The writer said: {type(error).__name__}: {error}"))
 
-    def commit(self, step: int, staging: Path, trainer_state: dict) -> Path:
+    def commit(self, step: int, staging: Path, trainer_state: dict, *, roles: tuple[str, ...] = ()) -> Path:
+        """Make ``staging`` the checkpoint of ``step``. Each of ``roles`` (subdirectories written by the workers)
+        must hold a complete engine checkpoint (its ``latest`` marker, written last by the engine): a worker that
+        wrote somewhere else must not leave a committed checkpoint without its state."""
+        for role in roles:
+            if not (staging / role / "latest").is_file():
+                raise RuntimeError(
+                    f"checkpoint of step {step} not committed: {staging / role} holds no complete {role} state. The "
+                    f"workers must see trainer.default_local_dir={self.root.parent} at the same path as the driver "
+                    f"(a filesystem shared by every node)")
         _atomic_write_text(staging / "trainer_state.json", json.dumps(trainer_state, indent=1))
         final = self.step_dir(step)
         if final.exists():

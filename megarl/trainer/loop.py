@@ -321,7 +321,7 @@ class RLTrainer:
         step = self.state.step
         self.checkpoints.commit(step, staging, {
             "step": step, "train_loader": self.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
-        })
+        }, roles=("actor",) + (("critic",) if self.critic is not None else ()))
 
     def _maybe_resume(self) -> None:
         mode = self.cfg.trainer.resume_mode

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from megarl.config import MegarlConfig, load_config, save_config
+from megarl.config.paths import with_absolute_paths
 from megarl.trainer.loop import RLTrainer, needs_reference
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.stop_signals import StopSignals
@@ -85,6 +86,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.metrics import MetricsLogger
 
+    cfg = with_absolute_paths(cfg, Path.cwd())  # the workers' working directories differ from the driver's
     t = cfg.trainer
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))

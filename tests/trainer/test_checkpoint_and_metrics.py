@@ -153,3 +153,19 @@ def test_a_second_run_on_the_same_directory_names_the_first(tmp_path):
         holder.wait()
     RunLock(tmp_path).release()  # a killed holder leaves the file, not the lock
     assert os.path.exists(tmp_path / ".lock")
+
+
+def test_a_checkpoint_missing_a_roles_state_is_never_committed(tmp_path):
+    """Workers that wrote their shards elsewhere (a relative output path resolved in another directory) leave the
+    staging directory without the role's state: the commit refuses, and the previous checkpoint stays latest."""
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    staging = manager.begin(1)
+    (staging / "actor").mkdir()
+    (staging / "actor" / "latest").write_text("0\n")
+    manager.commit(1, staging, {"step": 1}, roles=("actor",))
+    staging = manager.begin(2)
+    (staging / "actor").mkdir()  # no 'latest': the engine never finished writing here
+    with pytest.raises(RuntimeError, match=r"checkpoint of step 2 not committed: .*actor holds no complete actor "
+                                           r"state.*same path as the driver"):
+        manager.commit(2, staging, {"step": 2}, roles=("actor", "critic"))
+    assert manager.latest_step() == 1
