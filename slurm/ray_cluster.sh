@@ -13,7 +13,7 @@
 #   MEGARL_SLURM_GPUS_PER_NODE   GPUs (cuda) or worker processes (cpu) per node [$SLURM_GPUS_ON_NODE or 8]
 #   MEGARL_SLURM_CPUS_PER_NODE   CPUs Ray may use per node [Ray's own count; cpu device: GPUS_PER_NODE]
 #   MEGARL_RAY_PORT              GCS port of the head [6379]
-#   MEGARL_RAY_HEAD_IP           head address [first IP of `hostname --ip-address` on the head]
+#   MEGARL_RAY_HEAD_IP           head address [first non-loopback IPv4 of the head; loopback only for one node]
 #   MEGARL_RAY_TEMP_DIR          Ray session/socket dir [/tmp/ray_$SLURM_JOB_ID]; keep it short (socket paths)
 #   MEGARL_RAY_NODE_ARGS         extra `ray start` arguments, expanded on each node (so may differ per node)
 #   MEGARL_RAY_WAIT_TIMEOUT_S    how long to wait for all nodes to join [600]
@@ -42,8 +42,17 @@ megarl_head_ip() {
         echo "$MEGARL_RAY_HEAD_IP"
         return
     fi
-    # hostname --ip-address may list several addresses (IPv6, docker bridges): take the first IPv4 one.
-    srun --nodes=1 --ntasks=1 --overlap -w "$head" hostname --ip-address | tr ' ' '\n' | grep -m1 -E '^[0-9]+\.'
+    # The first IPv4 address of the head that is not loopback: `hostname --ip-address` gives whatever /etc/hosts
+    # maps the hostname to, often 127.0.0.1 or Debian's 127.0.1.1, and Ray rewrites a loopback head address to
+    # each node's own, so on separate hosts every worker would dial itself. `hostname --all-ip-addresses` lists
+    # the interfaces' addresses (never loopback). A single-node job may use loopback.
+    local found
+    found=$(srun --nodes=1 --ntasks=1 --overlap -w "$head" bash -c 'hostname --all-ip-addresses; hostname --ip-address' \
+        | tr ' ' '\n' | grep -E '^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$' | grep -v -m1 -E '^127\.')
+    if [[ -z "$found" && "${#MEGARL_NODES[@]}" -le 1 ]]; then
+        found=127.0.0.1
+    fi
+    echo "$found"
 }
 
 # Start `ray start --block` on one node as a background srun step; record its pid.
@@ -191,7 +200,8 @@ megarl_run_on_slurm() {
     local head="${MEGARL_NODES[0]}"
     MEGARL_HEAD_IP="$(megarl_head_ip "$head")"
     if [[ -z "$MEGARL_HEAD_IP" ]]; then
-        megarl_log "could not find an IPv4 address of head node $head; set MEGARL_RAY_HEAD_IP"
+        megarl_log "could not find a non-loopback IPv4 address of head node $head (the other nodes could not reach"\
+            "a loopback one); set MEGARL_RAY_HEAD_IP to an address of $head that they can reach"
         return 1
     fi
     export MEGARL_HEAD_IP MEGARL_RAY_PORT MEGARL_RAY_TEMP_DIR MEGARL_SLURM_DEVICE MEGARL_SLURM_GPUS_PER_NODE

@@ -278,3 +278,24 @@ def test_multinode_rejects_a_bad_config_before_touching_ray(tmp_path):
                            "trainer.n_gpus_per_nod=2", "--dry-run"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "trainer.n_gpus_per_nod" in proc.stderr
+
+
+@pytest.mark.parametrize("all_addresses,nodes,expected", [
+    ("fd00::2 10.1.2.3 172.17.0.1", 2, "10.1.2.3"),  # /etc/hosts says 127.0.1.1: the interface address wins
+    ("", 2, ""),  # only loopback on a multi-node job: no address (the caller names MEGARL_RAY_HEAD_IP)
+    ("", 1, "127.0.0.1"),  # one node: loopback is fine
+])
+def test_head_address_is_never_loopback_on_several_nodes(tmp_path, all_addresses, nodes, expected):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done\n'
+                                  'exec "$@"\n')
+    (bin_dir / "hostname").write_text(f'#!/bin/bash\n[[ "$1" == --all-ip-addresses ]] && echo "{all_addresses}" '
+                                      '&& exit 0\necho 127.0.1.1\n')
+    for tool in ("srun", "hostname"):
+        (bin_dir / tool).chmod(0o755)
+    script = (f"source {REPO / 'slurm' / 'ray_cluster.sh'}; MEGARL_NODES=({' '.join(f'n{i}' for i in range(nodes))});"
+              " megarl_head_ip n0")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MEGARL_RAY_HEAD_IP": ""})
+    assert out.stdout.strip() == expected, out
