@@ -33,6 +33,8 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
+from megarl.controller.orphan_reaper import start_orphan_reaper, stop_orphan_reaper
+
 DEFAULT_WORKER_ENV = {
     "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     "NCCL_NVLS_ENABLE": "0",
@@ -112,6 +114,8 @@ def init_ray(
     ray_init_kwargs.setdefault("include_dashboard", False)
     ray.init(address=address, num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=merged_runtime_env,
              **ray_init_kwargs)
+    if address is None:  # this process owns the cluster: nothing of it may outlive a SIGKILL of this process
+        start_orphan_reaper()
     return worker_env
 
 
@@ -119,6 +123,7 @@ def shutdown_ray() -> None:
     """Disconnect from (and, for a local cluster, stop) Ray; a no-op when Ray is not initialised."""
     if ray.is_initialized():
         ray.shutdown()
+    stop_orphan_reaper()
 
 
 def describe_cluster() -> list[dict[str, Any]]:
