@@ -29,13 +29,16 @@ class InProcessWorkerGroup:
                  env: Mapping[str, str] | None = None, name_prefix: str | None = None):
         self.name = name_prefix or worker_cls.__name__
         self.worker_cls = worker_cls
-        if "MASTER_PORT" not in os.environ or os.environ.get(ENV_GROUP_NAME) is None:
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        os.environ.update({
+        rank_env = {
             "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", ENV_DEVICE: device,
             ENV_LOCAL_DEVICE: "0" if device == "cuda" else "", ENV_GROUP_NAME: self.name, ENV_POOL_NODE: "0",
             **dict(env or {}),
-        })
+        }
+        if "MASTER_PORT" not in os.environ or os.environ.get(ENV_GROUP_NAME) is None:
+            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        # restored by shutdown(): a process started later from this one must not inherit a dead group's port
+        self._saved_env = {key: os.environ.get(key) for key in rank_env}
+        os.environ.update(rank_env)
         try:
             self.worker = worker_cls(**dict(init_kwargs or {}))
         except BaseException:
@@ -43,6 +46,7 @@ class InProcessWorkerGroup:
             from megarl.engines.megatron.parallel import destroy_megatron_parallel
 
             destroy_megatron_parallel()
+            self._restore_env()
             raise
         self._layout = DPLayout.pure_data_parallel(1)
 
@@ -58,3 +62,12 @@ class InProcessWorkerGroup:
         if self.worker is not None and hasattr(self.worker, "close"):
             self.worker.close()
         self.worker = None
+        self._restore_env()
+
+    def _restore_env(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}

@@ -319,8 +319,8 @@ def test_a_kill_after_a_checkpoint_commit_loses_no_metrics_line(tmp_path, monkey
 
     commit = CheckpointManager.commit
 
-    def commit_then_die(self, step, staging, state):
-        result = commit(self, step, staging, state)
+    def commit_then_die(self, step, staging, state, **kwargs):
+        result = commit(self, step, staging, state, **kwargs)
         if step == 2:
             raise _KilledAfterCommit()
         return result
@@ -336,7 +336,7 @@ def test_a_kill_after_a_checkpoint_commit_loses_no_metrics_line(tmp_path, monkey
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # and the interrupted curve is the uninterrupted one, value for value
     straight = _run(_config(tmp_path / "straight", "trainer.total_training_steps=4", *overrides))
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"):
+    for key in CURVE_KEYS:
         assert [r[key] for r in rows] == [h[key] for h in straight], key
 
 
@@ -408,3 +408,46 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_0(tmp_path):
     assert f"stopped after step {stopped_at} of 500" in output and "SIGTERM received" in output
     resumed = _run(_config(tmp_path, "trainer.backend=inprocess", f"trainer.total_training_steps={stopped_at + 1}"))
     assert [h["step"] for h in resumed] == [stopped_at + 1]
+
+
+CURVE_KEYS = ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean")
+
+
+@pytest.mark.timeout(900)
+def test_sigkill_of_the_driver_at_random_points_resumes_to_the_uninterrupted_curve(tmp_path):
+    """The driver (one rank in process, so the whole run) is SIGKILLed at two random moments (seeded; the seed
+    and moments are printed), each rerun resumes from the last complete checkpoint, and the final curve is the
+    uninterrupted run's, value for value, each step logged once."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 6
+    overrides = ["trainer.backend=inprocess", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
+                 "trainer.logger=['jsonl']"]
+    straight = _run(_config(tmp_path / "straight", *overrides))
+    seed = random.randrange(2**16)
+    rng = random.Random(seed)
+    run_dir = tmp_path / "killed"
+    command = [sys.executable, "-m", "megarl.trainer.main", "--config", str(REPO / "configs" / "grpo_tiny.yaml"),
+               f"trainer.default_local_dir={run_dir}", "trainer.progress_bar=false", "trainer.val_before_train=false",
+               "trainer.test_freq=-1", *overrides]
+    metrics = run_dir / "metrics.jsonl"
+    for kill in range(2):
+        wait_for_rows, extra = rng.randint(1 + 2 * kill, 2 + 2 * kill), rng.uniform(0.0, 0.4)
+        print(f"seed {seed}: kill {kill} after row {wait_for_rows} + {extra:.2f} s")
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(read_jsonl_metrics(metrics)) >= wait_for_rows):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.05)
+        time.sleep(extra)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert subprocess.run(command, cwd=REPO, capture_output=True).returncode == 0
+    rows = read_jsonl_metrics(metrics)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), f"seed {seed}"
+    for key in CURVE_KEYS:
+        assert [r[key] for r in rows] == [h[key] for h in straight], f"seed {seed}: {key}"
