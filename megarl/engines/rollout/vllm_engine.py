@@ -294,8 +294,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def sleep(self, *, discard_weights: bool = False) -> None:
         """Discard the KV cache and free the weights' memory: `LLM.sleep(level=1)` keeps a host copy of the
-        weights, level 2 (``discard_weights``) drops them (0.06 s instead of 1.9 s for a 0.5B model with a
-        43 GiB cache on an H200, docs/benchmarks.md); the caller then loads new weights before generating."""
+        weights, level 2 (``discard_weights``) drops them (on an H200 with a 42 GiB cache: 0.07 s in the trainer,
+        docs/device_runs.md; level 1 took 1.9 s in the staging recipe's smoke test); the caller then loads new
+        weights before generating."""
         if not self.supports_sleep:
             raise NotImplementedError(
                 "VLLMRolloutEngine.sleep: needs enable_sleep_mode=True on a platform with sleep mode "
