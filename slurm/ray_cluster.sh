@@ -4,8 +4,9 @@
 # Sourced by the slurm/grpo_*.sh job scripts, which call:  megarl_run_on_slurm <config.yaml> [overrides...]
 # The first node of $SLURM_JOB_NODELIST is the Ray head (the batch script runs there, and so does the driver);
 # every other node runs a Ray worker. Each node's `ray start --block` runs as one srun step, logging to
-# $LOG_DIR/<node>.log. SIGTERM/SIGINT (scancel, the --signal warning before the time limit) stop the driver,
-# then Ray on every node. Nodes authenticate with a per-job Ray token in $LOG_DIR (needs a shared filesystem).
+# $LOG_DIR/<node>.log. SIGTERM/SIGINT (scancel, the --signal warning before the time limit) reach the driver,
+# which finishes its step, writes a checkpoint and exits 0 (then the job exits 0: COMPLETED), then Ray stops on
+# every node. Nodes authenticate with a per-job Ray token in $LOG_DIR (needs a shared filesystem).
 #
 # Environment knobs (defaults in brackets):
 #   MEGARL_SLURM_CONFIG          run config, overrides the script's default recipe
@@ -17,7 +18,8 @@
 #   MEGARL_RAY_TEMP_DIR          Ray session/socket dir [/tmp/ray_$SLURM_JOB_ID]; keep it short (socket paths)
 #   MEGARL_RAY_NODE_ARGS         extra `ray start` arguments, expanded on each node (so may differ per node)
 #   MEGARL_RAY_WAIT_TIMEOUT_S    how long to wait for all nodes to join [600]
-#   MEGARL_RAY_STOP_GRACE_S      seconds between SIGTERM and SIGKILL when stopping [30]
+#   MEGARL_RAY_STOP_GRACE_S      seconds between SIGTERM and SIGKILL when stopping Ray [30]
+#   MEGARL_DRIVER_STOP_GRACE_S   seconds the driver gets to finish its step and checkpoint on SIGTERM [240]
 #   MEGARL_SLURM_RAY_STOP        1: also run `ray stop --force` on every node at the end [1]
 #   LOG_DIR                      per-node logs, token [logs/slurm-$SLURM_JOB_ID]
 #   PYTHON                       interpreter [python]
@@ -152,13 +154,21 @@ megarl_stop_cluster() {
 }
 
 megarl_on_signal() {
-    local sig="$1"
+    local sig="$1" driver_status=143
     megarl_log "received SIG$sig: stopping the driver and the cluster"
     if [[ -n "${MEGARL_DRIVER_PID:-}" ]] && kill -0 "$MEGARL_DRIVER_PID" 2>/dev/null; then
-        megarl_terminate "the driver" "${MEGARL_RAY_STOP_GRACE_S:-30}" "$(megarl_signal_target "$MEGARL_DRIVER_PID")"
+        # The trainer finishes its step and writes a checkpoint on SIGTERM: give it the time the pre-timeout
+        # signal leaves (--signal=B:TERM@300), not the Ray stop grace.
+        megarl_terminate "the driver" "${MEGARL_DRIVER_STOP_GRACE_S:-240}" "$(megarl_signal_target "$MEGARL_DRIVER_PID")"
+        wait "$MEGARL_DRIVER_PID" 2>/dev/null
+        driver_status=$?
     fi
     megarl_stop_cluster
     trap - EXIT
+    if ((driver_status == 0)); then
+        megarl_log "the driver wrote its checkpoint and exited cleanly: the job ends COMPLETED; resubmit to resume"
+        exit 0
+    fi
     [[ "$sig" == INT ]] && exit 130
     exit 143
 }

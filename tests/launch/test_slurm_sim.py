@@ -249,6 +249,23 @@ def test_sigterm_stops_driver_and_every_ray_process(sim):
     assert wait_until_gone(sim.markers, 30) == [], "ray processes survived SIGTERM of the job script"
 
 
+@pytest.mark.timeout(480)
+def test_pre_timeout_sigterm_ends_in_a_checkpoint_and_exit_0(sim):
+    """What --signal=B:TERM@300 does to a training job: the driver finishes its step, writes its checkpoint and
+    exits 0, Ray stops on both nodes, and the job script exits 0 (Slurm: COMPLETED) instead of 143."""
+    proc = sim("trainer.total_training_steps=500", "trainer.save_freq=-1")
+    run_dir = sim.output.parent / "outputs" / "megarl" / "slurm_sim"
+    wait_for_text(run_dir / "metrics.jsonl", '"step": 1', 300, proc)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=150)
+    output = sim.output.read_text()
+    assert rc == 0, output
+    assert "wrote its checkpoint and exited cleanly" in output and "SIGTERM received" in output, output
+    marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    assert marker.is_file() and int(marker.read_text()) >= 1, output
+    assert wait_until_gone(sim.markers, 30) == [], "ray processes left after the job script ended"
+
+
 @pytest.mark.timeout(240)
 def test_too_small_cluster_fails_with_what_is_missing(sim):
     # Each node gets 1 CPU but the run wants 2 worker processes per node.
