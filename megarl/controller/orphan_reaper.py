@@ -23,32 +23,31 @@ from typing import Optional
 _reaper: Optional[subprocess.Popen] = None
 
 
-def _start_time(pid: int) -> Optional[str]:
+def _stat(pid: int | str) -> Optional[tuple[int, str]]:
+    """(parent pid, start time) from ``/proc/<pid>/stat``; None once the process is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return int(fields[1]), fields[19]  # ppid and starttime: fields 4 and 22, after the "(comm)" split
+    except (OSError, IndexError, ValueError):
         return None
-    return fields[19]  # starttime (field 22 of stat; 20 after the "(comm)" split)
+
+
+def _start_time(pid: int) -> Optional[str]:
+    stat = _stat(pid)
+    return stat[1] if stat else None
 
 
 def descendants(root: int) -> set[tuple[int, str]]:
-    """(pid, start time) of every living descendant of ``root``."""
-    children: dict[int, list[int]] = {}
+    """(pid, start time) of every living descendant of ``root``: one read of each process's stat."""
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
+        if entry.isdigit() and int(entry) != os.getpid() and (stat := _stat(entry)) is not None:
+            children.setdefault(stat[0], []).append((int(entry), stat[1]))
     found, stack = set(), [root]
     while stack:
         for child in children.get(stack.pop(), []):
-            start = _start_time(child)
-            if start is not None and child != os.getpid():
-                found.add((child, start))
-                stack.append(child)
+            found.add(child)
+            stack.append(child[0])
     return found
 
 

@@ -99,12 +99,18 @@ def math_answers_equal(prediction: str, truth: str) -> bool:
     return fa is not None and fa == fb
 
 
-def score_boxed_math(solution_str: str, ground_truth: str, *, score: float = 1.0) -> float:
-    """`score` if the last boxed answer of the response equals the ground truth, else 0. A ground truth that
-    itself contains `\\boxed` (a MATH solution) is reduced to its boxed answer."""
+def _reference_answer(ground_truth: str) -> str:
+    """The ground truth's answer: a MATH solution containing ``\\boxed`` is reduced to its boxed answer."""
     truth = extract_last_boxed(ground_truth) if any(c in ground_truth for c in _BOX_COMMANDS) else ground_truth
     if truth is None:
         raise ValueError(f"math ground truth has an unbalanced \\boxed: {ground_truth!r}")
+    return truth
+
+
+def score_boxed_math(solution_str: str, ground_truth: str, *, score: float = 1.0) -> float:
+    """`score` if the last boxed answer of the response equals the ground truth, else 0. A ground truth that
+    itself contains `\\boxed` (a MATH solution) is reduced to its boxed answer."""
+    truth = _reference_answer(ground_truth)
     prediction = extract_last_boxed(solution_str)
     if prediction is None:
         return 0.0
@@ -128,9 +134,7 @@ def extract_answer_line(text: str) -> tuple[int, str] | None:
 def score_math_answer(solution_str: str, ground_truth: str, *, score: float = 1.0) -> float:
     """Like :func:`score_boxed_math`, but the response's answer may also be a final ``Answer: ...`` line (what
     DAPO's prompt asks for): whichever of the last ``\\boxed{}`` and the last answer line comes later."""
-    truth = extract_last_boxed(ground_truth) if any(c in ground_truth for c in _BOX_COMMANDS) else ground_truth
-    if truth is None:
-        raise ValueError(f"math ground truth has an unbalanced \\boxed: {ground_truth!r}")
+    truth = _reference_answer(ground_truth)
     line = extract_answer_line(solution_str)
     boxed_at = max(solution_str.rfind(cmd) for cmd in _BOX_COMMANDS)
     if line is not None and line[0] > boxed_at:
