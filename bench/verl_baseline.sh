@@ -10,28 +10,44 @@ set -uo pipefail
 SHAPE=${SHAPE:-0.5b}; WORK=/tmp/megarl_e2e/$SHAPE; OUT=${OUT:-/tmp}; VERL_WHEELS=${VERL_WHEELS:-.verl}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verl_site "$VERL_WHEELS"/*.whl || exit 1
 export PYTHONPATH=/tmp/verl_site:$PYTHONPATH PYTHONUNBUFFERED=1
-# verl reads the tokenizer from the model dir and applies a chat template: give it both (the template passes
-# the prompt through unchanged, so verl sees the same tokens as megarl with data.apply_chat_template=false)
-python3 - "$WORK" <<'PY'
+# verl applies a chat template: give the tokenizer one that passes the prompt through unchanged, so verl sees the
+# same tokens as megarl with data.apply_chat_template=false. The tokenizer gets its own folder
+# (model.tokenizer_path): beside a config.json of model_type qwen2, transformers 5 builds its Qwen2 BPE
+# tokenizer from the word vocabulary, which encodes every prompt to nothing.
+python3 - "$WORK" <<'PY' || exit 1
 import json, os, shutil, sys
 import pyarrow as pa, pyarrow.parquet as pq
 work = sys.argv[1]
-model = f"{work}/verl_model"
-os.makedirs(model, exist_ok=True)
-for name in os.listdir(f"{work}/model"):
-    target = f"{model}/{name}"
-    if not os.path.exists(target):
-        os.symlink(f"{work}/model/{name}", target)
-for name in os.listdir(f"{work}/tok"):
-    shutil.copy(f"{work}/tok/{name}", model)
-config = json.load(open(f"{model}/tokenizer_config.json"))
+tok_dir = f"{work}/verl_tok"
+shutil.rmtree(tok_dir, ignore_errors=True)
+shutil.copytree(f"{work}/tok", tok_dir)
+config = json.load(open(f"{tok_dir}/tokenizer_config.json"))
 config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-json.dump(config, open(f"{model}/tokenizer_config.json", "w"))
+# verl's agent loop picks its token builder by model_type; the Qwen one needs "\n" to be one token and an
+# <|im_end|> token: name the eos id <|im_end|> (Qwen's own) and give "\n" the id of w1 (prompts never use it)
+tok = json.load(open(f"{tok_dir}/tokenizer.json"))
+vocab = tok["model"]["vocab"]
+eos_id = vocab.pop("<eos>")
+del vocab["w1"]
+vocab["<|im_end|>"] = eos_id
+vocab["\n"] = 1
+tok["added_tokens"] = [t for t in tok["added_tokens"] if t["content"] != "<eos>"] + [
+    dict(id=eos_id, content="<|im_end|>", single_word=False, lstrip=False, rstrip=False, normalized=False, special=True),
+    dict(id=1, content="\n", single_word=False, lstrip=False, rstrip=False, normalized=False, special=False)]
+json.dump(tok, open(f"{tok_dir}/tokenizer.json", "w"))
+config["eos_token"] = "<|im_end|>"
+json.dump(config, open(f"{tok_dir}/tokenizer_config.json", "w"))
 rows = pq.read_table(f"{work}/prompts.parquet").to_pylist()
 for row in rows:
     row["prompt"] = [{"role": "user", "content": row["prompt"]}]
     row["extra_info"] = {"index": 0}
 pq.write_table(pa.Table.from_pylist(rows), f"{work}/verl_prompts.parquet")
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+text = tokenizer.apply_chat_template(rows[0]["prompt"], tokenize=False)
+words = rows[0]["prompt"][0]["content"].split()
+if tokenizer.encode(text, add_special_tokens=False) != [int(w[1:]) for w in words]:
+    sys.exit(f"verl's tokenizer in {tok_dir} does not give the prompt's token ids: verl would see other prompts")
 PY
 python3 -c "import verl; print('verl', verl.__version__)" || exit 1
 timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
@@ -39,7 +55,8 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   data.train_files="$WORK/verl_prompts.parquet" data.val_files="$WORK/verl_prompts.parquet" \
   data.train_batch_size="${PROMPTS:-64}" data.max_prompt_length=512 data.max_response_length="${RESPONSE_LEN:-1024}" \
   data.filter_overlong_prompts=false data.truncation=error \
-  actor_rollout_ref.model.path="$WORK/verl_model" actor_rollout_ref.model.use_remove_padding=false \
+  actor_rollout_ref.model.path="$WORK/model" actor_rollout_ref.model.tokenizer_path="$WORK/verl_tok" \
+  actor_rollout_ref.model.use_remove_padding=false \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size="${PROMPTS:-64}" \
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \

@@ -11,7 +11,9 @@ equal log-probs (bitwise):
   bucket bound) reproduces the first update exactly;
 * sleep level 1 (weights kept on the host) then wake: output unchanged; level 2 (weights discarded), wake
   the weights only, push, wake the KV cache: output equals the pushed weights' output; each sleep frees at
-  least 90% of the KV cache's bytes on the device.
+  least 90% of the KV cache's bytes on the device;
+* waking up hands back what PyTorch's caching allocator holds (the trainer's freed memory), so the KV cache
+  fits where it otherwise would not.
 
 Skipped without CUDA or without vLLM (CI); run on the H200 by ``bench/run_device.sh vllm``.
 """
@@ -134,3 +136,21 @@ def test_sleep_releases_memory_and_keeps_or_takes_weights(engine, weights):
     pushed = greedy(engine)
     push(engine, perturbed, bucket_bytes=20 << 20)
     assert greedy(engine) == pushed != reference
+
+
+def test_wake_up_takes_back_what_the_trainer_left_in_pytorchs_cache(engine, weights):
+    """The trainer's freed activations stay reserved in PyTorch's caching allocator; vLLM's sleep-mode pool
+    cannot use them. Fill the device so that the KV cache fits only if that cache is handed back, then wake."""
+    original, _ = weights
+    push(engine, original, bucket_bytes=8 << 20)
+    engine.sleep(discard_weights=True)
+    free, _ = torch.cuda.mem_get_info()
+    margin = KV_CACHE_BYTES // 2  # less than the KV cache needs
+    block = torch.empty(free - margin, dtype=torch.uint8, device="cuda")
+    del block  # freed, but still reserved by PyTorch
+    assert torch.cuda.mem_get_info()[0] < KV_CACHE_BYTES
+    engine.wake_up(weights_only=True)
+    push(engine, original, bucket_bytes=8 << 20)
+    engine.wake_up()
+    assert torch.cuda.memory_reserved() < margin
+    assert len(greedy(engine)) == len(PROMPTS)

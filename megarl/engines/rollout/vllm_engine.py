@@ -314,6 +314,11 @@ class VLLMRolloutEngine(RolloutEngine):
         later ``wake_up()`` brings the KV cache back."""
         if not self.supports_sleep:
             raise NotImplementedError("VLLMRolloutEngine.wake_up: sleep mode is unavailable (see sleep())")
+        if self._memory != "awake":
+            # vLLM maps its weights and KV cache from its own cuMem pool; what the trainer freed still sits in
+            # PyTorch's caching allocator, reserved and invisible to that pool (a 1.5B step ran out of memory
+            # waking the KV cache with ~50 GB cached there: docs/device_runs.md). Hand it back first.
+            torch.cuda.empty_cache()
         if self._memory == "asleep":
             vllm_compat.wake_up(self.llm, tags=["weights"] if weights_only else None)
             self._memory = "weights_only" if weights_only else "awake"
