@@ -14,8 +14,14 @@
 #SBATCH --output=logs/%x-%j.out
 #SBATCH --signal=B:TERM@300
 
-# sbatch runs a copy of this file from the spool dir: find the checkout from the submit dir.
-MEGARL_ROOT="${MEGARL_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}"
+# sbatch runs a spooled copy of this file: find the checkout from the path it was submitted as (scontrol's
+# Command, relative to WorkDir), else from this file's own path (run with bash directly).
+if [[ -z "${MEGARL_ROOT:-}" ]]; then
+    job_field() { scontrol show job -o "${SLURM_JOB_ID:-none}" 2>/dev/null | tr ' ' '\n' | sed -n "s/^$1=//p"; }
+    MEGARL_ROOT="$(cd "$(job_field WorkDir)" 2>/dev/null && cd "$(dirname "$(job_field Command)")/.." && pwd)"
+    [[ -f "$MEGARL_ROOT/slurm/ray_cluster.sh" ]] || MEGARL_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+fi
+[[ -f "$MEGARL_ROOT/slurm/ray_cluster.sh" ]] || { echo "megarl checkout not found: set MEGARL_ROOT" >&2; exit 2; }
 export MEGARL_ROOT
 source "$MEGARL_ROOT/slurm/ray_cluster.sh"
 megarl_run_on_slurm "$MEGARL_ROOT/configs/qwen2_5_7b_gsm8k_grpo.yaml" "$@"

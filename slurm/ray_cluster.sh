@@ -20,9 +20,16 @@
 #   MEGARL_RAY_WAIT_TIMEOUT_S    how long to wait for all nodes to join [600]
 #   MEGARL_RAY_STOP_GRACE_S      seconds between SIGTERM and SIGKILL when stopping Ray [30]
 #   MEGARL_DRIVER_STOP_GRACE_S   seconds the driver gets to finish its step and checkpoint on SIGTERM [240]
-#   MEGARL_SLURM_RAY_STOP        1: also run `ray stop --force` on every node at the end [1]
 #   LOG_DIR                      per-node logs, token [logs/slurm-$SLURM_JOB_ID]
 #   PYTHON                       interpreter [python]
+#
+# Stopping: each node's Ray is one srun step named megarl-ray-<node>; the script stops it with
+# `scancel --signal=TERM <job>.<step>` (slurmd signals the step's processes: `ray start --block` drains and
+# stops that node's Ray, and the step then removes the node's Ray temp dir), workers before the head, and
+# `scancel --signal=KILL` on a step that outlives MEGARL_RAY_STOP_GRACE_S. Signalling the local `srun` instead
+# would make srun kill its step at once (no drain), and `ray stop` would stop every Ray on the node.
+# A plain `scancel <job>` gives everything KillWait seconds (often 30) before SIGKILL, too little for a
+# checkpoint; `scancel --batch --signal=TERM <job>` is the pre-timeout path: a checkpoint, then COMPLETED.
 
 MEGARL_ROOT="${MEGARL_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 PYTHON="${PYTHON:-python}"
@@ -74,8 +81,15 @@ megarl_start_ray_node() {
         [[ -n "${MEGARL_SLURM_CPUS_PER_NODE:-}" ]] && args+=(--num-cpus "$MEGARL_SLURM_CPUS_PER_NODE")
     fi
     # MEGARL_RAY_NODE_ARGS is expanded by the shell on the node (single quotes), so a node-local value wins.
-    srun --nodes=1 --ntasks=1 --overlap -w "$node" \
-        bash -c 'exec ray start "$@" $MEGARL_RAY_NODE_ARGS' ray-start "${args[@]}" \
+    # `ray start --block` stops the node's Ray on SIGTERM (it drains first); then the temp dir goes.
+    srun --nodes=1 --ntasks=1 --overlap -w "$node" --job-name "megarl-ray-$node" bash -c '
+        ray start "$@" $MEGARL_RAY_NODE_ARGS &
+        ray_pid=$! stopping=0
+        trap "stopping=1; kill -TERM $ray_pid 2>/dev/null" TERM INT
+        wait "$ray_pid"; wait "$ray_pid"; rc=$?
+        rm -rf "$MEGARL_RAY_TEMP_DIR"
+        ((stopping)) && rc=0  # asked to stop: ray start exits 1 after draining
+        exit "$rc"' ray-node "${args[@]}" \
         >"$LOG_DIR/$node.log" 2>&1 &
     MEGARL_RAY_PIDS+=("$!")
     MEGARL_RAY_PID_NODES+=("$node")
@@ -130,26 +144,51 @@ megarl_terminate() {
     fi
 }
 
+# The Slurm step id (job.step) running Ray on a node; empty outside a real Slurm job (no squeue).
+megarl_ray_step_of() {
+    local node="$1"
+    squeue --noheader --steps --jobs "${SLURM_JOB_ID:-}" --format "%i %j" 2>/dev/null \
+        | awk -v name="megarl-ray-$node" '$2 == name { print $1; exit }'
+}
+
+# Signal the Ray step of each node: through slurmd where Slurm knows the step, else (a step without Slurm's
+# bookkeeping) its local process group.
+megarl_signal_ray_nodes() {
+    local sig="$1" i step
+    shift
+    for i in "$@"; do
+        step="$(megarl_ray_step_of "${MEGARL_RAY_PID_NODES[$i]}")"
+        if [[ -n "$step" ]]; then
+            scancel --quiet --signal="$sig" "$step" 2>/dev/null
+        else
+            megarl_signal_targets "$sig" "$(megarl_signal_target "${MEGARL_RAY_PIDS[$i]}")"
+        fi
+    done
+}
+
+# Stop the Ray steps of the given node indices: SIGTERM, wait for their srun to return, SIGKILL what is left.
+megarl_stop_ray_nodes() {
+    local what="$1" grace="$2" i
+    shift 2
+    local -a pids=()
+    for i in "$@"; do pids+=("${MEGARL_RAY_PIDS[$i]}"); done
+    megarl_signal_ray_nodes TERM "$@"
+    if ! megarl_wait_targets_gone "$grace" "${pids[@]}"; then
+        megarl_log "$what did not stop within ${grace}s of SIGTERM: sending SIGKILL"
+        megarl_signal_ray_nodes KILL "$@"
+        megarl_wait_targets_gone 30 "${pids[@]}" || megarl_log "$what still running 30s after SIGKILL"
+    fi
+}
+
 megarl_stop_cluster() {
     [[ "${MEGARL_CLUSTER_STOPPED:-0}" == 1 ]] && return 0
     MEGARL_CLUSTER_STOPPED=1
-    local grace="${MEGARL_RAY_STOP_GRACE_S:-30}" pid node
-    local -a targets=()
-    for pid in "${MEGARL_RAY_PIDS[@]}"; do targets+=("$(megarl_signal_target "$pid")"); done
-    megarl_log "stopping ray on ${#MEGARL_RAY_PIDS[@]} node(s)"
+    local grace="${MEGARL_RAY_STOP_GRACE_S:-30}" count="${#MEGARL_RAY_PIDS[@]}"
+    megarl_log "stopping ray on $count node(s)"
     # Workers before the head: a worker raylet deregisters from the head's GCS on SIGTERM, and with the GCS
     # already gone it retries for a minute instead of exiting.
-    if ((${#targets[@]} > 1)); then
-        megarl_terminate "ray on the worker nodes" "$grace" "${targets[@]:1}"
-    fi
-    ((${#targets[@]} > 0)) && megarl_terminate "ray on the head node" "$grace" "${targets[0]}"
-    if [[ "${MEGARL_SLURM_RAY_STOP:-1}" == 1 ]]; then
-        # Remote raylets whose srun step got SIGKILL are not reached by the signal: stop them on their node.
-        for node in "${MEGARL_NODES[@]}"; do
-            srun --nodes=1 --ntasks=1 --overlap -w "$node" ray stop --force >>"$LOG_DIR/$node.log" 2>&1 &
-        done
-        wait
-    fi
+    ((count > 1)) && megarl_stop_ray_nodes "ray on the worker nodes" "$grace" $(seq 1 $((count - 1)))
+    ((count > 0)) && megarl_stop_ray_nodes "ray on the head node" "$grace" 0
     megarl_log "ray stopped"
 }
 
@@ -185,6 +224,21 @@ megarl_run_on_slurm() {
         megarl_log "MEGARL_SLURM_DEVICE must be cuda or cpu, got '$MEGARL_SLURM_DEVICE'"
         return 2
     fi
+    if [[ "${SLURM_EXPORT_ENV:-}" == NONE* ]]; then
+        # sbatch --export=NONE leaves SLURM_EXPORT_ENV=NONE to every srun of the job: the Ray steps would start
+        # with an empty environment (no PATH: "execve(): bash: No such file or directory"). The job's own
+        # environment (a login shell's, with --export=NONE) is what they need.
+        megarl_log "sbatch --export=NONE: the Ray steps get the job's environment (SLURM_EXPORT_ENV=ALL)"
+        export SLURM_EXPORT_ENV=ALL
+    fi
+    local tool
+    for tool in "$PYTHON" ray; do
+        if ! command -v "$tool" >/dev/null; then
+            megarl_log "'$tool' is not on the job's PATH ($PATH): activate the environment that has megarl and" \
+                "Ray in the job script, or submit from a shell where it is active (not with --export=NONE)"
+            return 2
+        fi
+    done
     MEGARL_SLURM_GPUS_PER_NODE="${MEGARL_SLURM_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
     MEGARL_RAY_PORT="${MEGARL_RAY_PORT:-6379}"
     MEGARL_RAY_TEMP_DIR="${MEGARL_RAY_TEMP_DIR:-/tmp/ray_${SLURM_JOB_ID:-$$}}"
