@@ -87,7 +87,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from megarl.controller.workers import BroadcastTransport, ObjectStoreTransport, open_weight_group
+    from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTransport, open_weight_group
 
     payload = make_payload(args.total_mb)
     total_bytes = sum(t.numel() * t.element_size() for _, t in payload)

@@ -19,11 +19,9 @@ from typing import Any, Iterable, Optional, Union
 
 import yaml
 
+from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown, mistyped or inconsistent; the message names the key."""
+from megarl.config.validate import validate_config
 
 
 _INTERPOLATION = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
@@ -204,8 +202,6 @@ def load_config(
         tree = _merge(tree, _nest(parts, value))
     cfg = _build(MegarlConfig, _resolve_interpolations(tree), "")
     if validate:
-        from megarl.config.validate import validate_config
-
         validate_config(cfg)
     return cfg
 

@@ -8,7 +8,7 @@ GRPO-style estimators need several samples per prompt). It also fills derived de
 
 from __future__ import annotations
 
-from megarl.config.loader import ConfigError
+from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig, MegatronConfig
 
 # Kept in step with the registries in megarl.algorithms by tests/config/test_validate.py.

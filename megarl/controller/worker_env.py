@@ -89,3 +89,11 @@ def init_torch_distributed(*, backend: str | None = None, timeout_s: float = 600
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return ctx
+
+
+def worker_env_for(device: str) -> dict[str, str]:
+    """Environment every worker needs on ``device`` (threads: CPU workers must not oversubscribe the cores)."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return env

@@ -35,10 +35,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from megarl.engines.megatron.parallel import ParallelLayout
 from megarl.models.architectures import Architecture, DecoderDims, architecture_for
 from megarl.models.architectures.base import build_param_rules
 from megarl.models.hf_config import HFConfigLike, architecture_name, load_hf_config
+from megarl.models.parallel_layout import ParallelLayout
 from megarl.models.weight_mapping import ParamRule, fuse_qkv, merge_shards, pad_vocab, shard_tensor, split_qkv
 
 logger = logging.getLogger(__name__)

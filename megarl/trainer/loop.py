@@ -24,6 +24,7 @@ from megarl.algorithms.dynamic_sampling import first_groups, overlong_penalty, r
 from megarl.algorithms.masked import masked_mean
 from megarl.batch import RolloutBatch, TrainBatch, concat_rows, select_rows
 from megarl.config.schema import MegarlConfig
+from megarl.controller.roles import ActorRolloutRef, Critic, Rollout, needs_reference
 from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import place_scores_on_last_token
@@ -37,10 +38,6 @@ class TrainerState:
     step: int = 0
 
 
-def needs_reference(cfg: MegarlConfig) -> bool:
-    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-
-
 def build_kl_controller(cfg: MegarlConfig):
     ctrl = cfg.algorithm.kl_ctrl
     if ctrl.type == "adaptive":
@@ -48,28 +45,18 @@ def build_kl_controller(cfg: MegarlConfig):
     return FixedKLController(ctrl.kl_coef)
 
 
-def split_evenly(items: list, parts: int) -> list[list]:
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for index in range(parts):
-        stop = start + size + (1 if index < extra else 0)
-        out.append(items[start:stop])
-        start = stop
-    return out
-
-
 class RLTrainer:
-    def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, reward_manager, actor_group,
-                 critic_group=None, rollout_group=None, logger: MetricsLogger, checkpoints: CheckpointManager,
-                 total_steps: int, stop_requested: Callable[[], bool] = lambda: False):
+    def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, reward_manager,
+                 actor: ActorRolloutRef, rollout: Rollout, critic: Optional[Critic] = None, logger: MetricsLogger,
+                 checkpoints: CheckpointManager, total_steps: int, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_loader = train_loader
         self.val_dataset = val_dataset
         self.reward_manager = reward_manager
-        self.actor = actor_group
-        self.critic = critic_group
-        self.rollout = rollout_group or actor_group  # separate placement: its own group; else the hybrid actor
+        self.actor = actor
+        self.critic = critic
+        self.rollout = rollout  # separate placement: the rollout workers; else the hybrid actor group
         self.num_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
         self.logger = logger
         self.checkpoints = checkpoints
@@ -115,7 +102,7 @@ class RLTrainer:
         return self.history
 
     def train_step(self, step: int) -> dict:
-        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        cfg = self.cfg
         metrics: dict[str, float] = {}
         with timed("step", metrics):
             batch, scores, reward_metrics = self.sample_batch(step, metrics)
@@ -124,23 +111,25 @@ class RLTrainer:
                 with timed("gen_baseline", metrics):
                     baseline = self.greedy_baseline_scores(batch)
             with timed("old_log_prob", metrics):
-                actor_out = self.actor.call("compute_log_probs", batch)
+                self.actor.for_training()
+                actor_out = self.actor.compute_log_probs(batch)
                 batch.old_log_probs, entropy = actor_out.log_probs, actor_out.entropy
             if needs_reference(cfg):
                 with timed("ref", metrics):
-                    batch.ref_log_probs = self.actor.call("compute_ref_log_probs", batch)
+                    batch.ref_log_probs = self.actor.compute_ref_log_probs(batch)
             if self.critic is not None:
                 with timed("values", metrics):
-                    batch.values = self.critic.call("compute_values", batch)
+                    batch.values = self.critic.compute_values(batch)
             with timed("adv", metrics):
                 metrics.update(self.compute_advantages(batch, scores, baseline))
             if self.critic is not None:
                 with timed("update_critic", metrics):
-                    metrics.update({f"critic/{k}": v for k, v in self.critic.call("update_critic", batch).items()})
+                    metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch).items()})
             with timed("update_actor", metrics):
-                metrics.update({f"actor/{k}": v for k, v in self.actor.call("update_actor", batch).items()})
+                metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
             with timed("weight_sync", metrics):
-                metrics.update(self.actor.call("sync_weights"))
+                self.actor.for_weight_sync()
+                metrics.update(self.actor.sync_weights())
         metrics.update(reward_metrics)
         metrics.update(batch_metrics(batch, scores, entropy))
         tokens = float(batch.attention_mask.sum())
@@ -163,6 +152,7 @@ class RLTrainer:
         for round_index in range(filtering.max_num_gen_batches or 2**31):
             prompts = self.train_loader.next_batch()
             with timed("gen", metrics):
+                self.actor.for_generation()
                 rollout = self.generate(prompts, self.train_sampling(step, round_index))
             batch = TrainBatch.from_rollout(rollout)
             with timed("reward", metrics):
@@ -221,19 +211,12 @@ class RLTrainer:
 
     def generate(self, prompts, sampling: SamplingConfig) -> RolloutBatch:
         prompt_ids = unpadded_prompts(prompts.input_ids, prompts.attention_mask)
-        world = self.rollout.world_size
-        chunks = split_evenly(list(range(len(prompt_ids))), world)
-        per_rank = [[prompt_ids[i] for i in chunk] for chunk in chunks]
-        outputs_per_rank = self.rollout.call("generate", per_rank, [sampling] * world)
-        responses, prompt_index, log_probs = [], [], []
-        for chunk, outputs in zip(chunks, outputs_per_rank):
-            for out in outputs:
-                responses.append(out.token_ids)
-                prompt_index.append(chunk[out.prompt_index])
-                log_probs.append(out.log_probs)
+        outputs = self.rollout.generate(prompt_ids, sampling)
+        log_probs = [out.log_probs for out in outputs]
         have_log_probs = all(lp is not None for lp in log_probs)
         return assemble_rollout_batch(
-            prompts=prompt_ids, responses=responses, prompt_index=prompt_index,
+            prompts=prompt_ids, responses=[out.token_ids for out in outputs],
+            prompt_index=[out.prompt_index for out in outputs],
             group_ids=[f"p{index}" for index in prompts.indices],
             max_prompt_length=self.cfg.data.max_prompt_length, max_response_length=self.cfg.data.max_response_length,
             pad_token_id=self.tokenizer.pad_token_id, data_sources=prompts.data_sources,
@@ -268,12 +251,9 @@ class RLTrainer:
             first_rows.setdefault(gid, row)
         rows = list(first_rows.values())
         prompts = [batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist() for r in rows]
-        chunks = split_evenly(list(range(len(prompts))), self.rollout.world_size)
-        greedy = SamplingConfig.greedy(max_tokens=self.cfg.data.max_response_length)
-        outputs = self.rollout.call("generate", [[prompts[i] for i in c] for c in chunks], [greedy] * len(chunks))
-        responses = [o.token_ids for outs in outputs for o in outs]
+        outputs = self.rollout.generate(prompts, SamplingConfig.greedy(max_tokens=self.cfg.data.max_response_length))
         greedy_batch = assemble_rollout_batch(
-            prompts=prompts, responses=responses, prompt_index=list(range(len(prompts))),
+            prompts=prompts, responses=[o.token_ids for o in outputs], prompt_index=[o.prompt_index for o in outputs],
             group_ids=[batch.group_ids[r] for r in rows], max_prompt_length=batch.prompt_ids.shape[1],
             max_response_length=batch.response_ids.shape[1], pad_token_id=self.tokenizer.pad_token_id,
             data_sources=[batch.data_sources[r] for r in rows], ground_truths=[batch.ground_truths[r] for r in rows],
@@ -286,6 +266,7 @@ class RLTrainer:
         """Greedy (by default) responses on the whole validation set; mean score overall and per source."""
         start = time.perf_counter()
         totals: dict[str, list[float]] = {}
+        self.actor.for_generation()
         for prompts in iter_in_order(self.val_dataset, self.cfg.data.val_batch_size, self.tokenizer.pad_token_id):
             rollout = self.generate(prompts, self.val_sampling())
             _, scores, _ = score_rollout(self.reward_manager, self.tokenizer, rollout)
@@ -303,11 +284,11 @@ class RLTrainer:
         """Every role's state into the staging directory of this step (not yet a checkpoint)."""
         staging = self.checkpoints.begin(self.state.step)
         try:
-            self.actor.call("save_checkpoint", str(staging / "actor"))
+            self.actor.save(str(staging / "actor"))
             if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
-                self.actor.call("save_hf", str(staging / "actor_hf"))
+                self.actor.save_hf(str(staging / "actor_hf"))
             if self.critic is not None:
-                self.critic.call("save_checkpoint", str(staging / "critic"))
+                self.critic.save(str(staging / "critic"))
         except BaseException as error:  # torch's CheckpointException derives from BaseException
             if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
                 raise
@@ -335,14 +316,15 @@ class RLTrainer:
         else:
             root = Path(mode)
         state = _read_state(root)
-        self.actor.call("load_checkpoint", str(root / "actor"))
+        self.actor.load(str(root / "actor"))
         if self.critic is not None:
-            self.critic.call("load_checkpoint", str(root / "critic"))
+            self.critic.load(str(root / "critic"))
         self.train_loader.load_state_dict(state["train_loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.state.step = state["step"]
         self.logger.forget_after(self.state.step)  # steps past the checkpoint are trained (and logged) again
-        self.actor.call("sync_weights")  # the rollout engine must serve the restored policy
+        self.actor.for_weight_sync()
+        self.actor.sync_weights()  # the rollout engine must serve the restored policy
         print(f"resumed from {root} at step {self.state.step}", flush=True)
 
 

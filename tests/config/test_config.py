@@ -119,7 +119,7 @@ def test_estimator_and_loss_choices_match_algorithm_registries():
 def test_ppo_clip_takes_verls_dual_clip_by_default():
     """verl's default policy loss always bounds negative-advantage tokens by clip_ratio_c (3.0): a verl recipe
     ported as is must train the same way here; null turns the dual clip off."""
-    from megarl.controller.workers import policy_loss_arguments
+    from megarl.controller.engine_specs import policy_loss_arguments
 
     def arguments(*overrides):
         return policy_loss_arguments(load_config(overrides=list(overrides)).actor_rollout_ref.actor)

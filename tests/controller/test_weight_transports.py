@@ -31,7 +31,7 @@ def ray_cluster():
 def test_a_failing_receiver_stops_the_broadcast_with_its_error():
     import ray
 
-    from megarl.controller.workers import BroadcastTransport, open_weight_group
+    from megarl.controller.peer_transports import BroadcastTransport, open_weight_group
 
     payload = make_payload(64, tensor_mb=16)  # 16 MB tensors: more than socket buffers hold
     shapes = [(name, tensor.numel()) for name, tensor in payload]
@@ -55,7 +55,7 @@ class UnjoinableReceiver(Receiver):
 def test_a_receiver_that_cannot_join_fails_the_group_at_once():
     import ray
 
-    from megarl.controller.workers import open_weight_group
+    from megarl.controller.peer_transports import open_weight_group
 
     peers = [ray.remote(num_cpus=0.5)(Receiver).remote([]), ray.remote(num_cpus=0.5)(UnjoinableReceiver).remote([])]
     start = time.monotonic()

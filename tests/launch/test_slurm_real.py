@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_harness import free_port
-from tests.launch.test_slurm_sim import TINY_CONFIG, processes_matching, wait_until_gone
+from tests.launch.test_slurm_sim import TINY_CONFIG, wait_until_gone
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 240

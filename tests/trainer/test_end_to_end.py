@@ -264,7 +264,7 @@ def test_in_process_backend_cleans_up_after_a_failed_start(tmp_path):
 
 
 def test_device_follows_the_cluster_not_the_driver():
-    from megarl.trainer.main import resolve_device
+    from megarl.controller.roles import resolve_device
 
     # A GPU cluster attached from a driver without CUDA (a login/head node) still trains on cuda.
     assert resolve_device(load_config(overrides=["trainer.device=cuda"]), cluster_gpus=16.0) == "cuda"

@@ -16,27 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    virtual_pipeline_parallel: Optional[int] = None
-    context_parallel: int = 1
-    expert_parallel: int = 1
-    expert_tensor_parallel: Optional[int] = None
-
-    @property
-    def model_parallel(self) -> int:
-        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
-
-    def data_parallel(self, world_size: int) -> int:
-        if world_size % self.model_parallel:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor_parallel*pipeline_parallel*"
-                f"context_parallel = {self.tensor_parallel}*{self.pipeline_parallel}*{self.context_parallel}"
-            )
-        return world_size // self.model_parallel
+from megarl.models.parallel_layout import ParallelLayout
 
 
 @dataclass(frozen=True)

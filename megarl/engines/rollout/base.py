@@ -148,19 +148,3 @@ def validate_prompts(prompt_token_ids: list[list[int]], vocab_size: int | None) 
                 raise ValueError(
                     f"prompt_token_ids[{index}] has invalid token id {token!r} (vocab size {vocab_size})"
                 )
-
-
-def build_rollout_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
-    """Construct the engine called `name` ("hf" or "vllm") for the HF checkpoint directory `model_path`.
-
-    Backends are imported lazily so that using the HF engine never imports vLLM.
-    """
-    if name == "hf":
-        from megarl.engines.rollout.hf_engine import HFRolloutEngine
-
-        return HFRolloutEngine(model_path, **kwargs)
-    if name == "vllm":
-        from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
-
-        return VLLMRolloutEngine(model_path, **kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; expected 'hf' or 'vllm'")

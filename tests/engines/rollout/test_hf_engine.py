@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megarl.engines.rollout.base import SamplingConfig, build_rollout_engine
+from megarl.engines.rollout.base import SamplingConfig
+from megarl.engines.rollout.factory import build_rollout_engine
 from megarl.engines.rollout.hf_engine import HFRolloutEngine, process_logits
 from tests.engines.rollout.reference_decoding import greedy_decode, score_response
 from tests.engines.rollout.tiny_model import copy_model_with_state, random_hf_state

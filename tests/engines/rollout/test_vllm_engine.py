@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megarl.engines.rollout.base import SamplingConfig, build_rollout_engine  # noqa: E402
+from megarl.engines.rollout.base import SamplingConfig  # noqa: E402
+from megarl.engines.rollout.factory import build_rollout_engine  # noqa: E402
 from megarl.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
 from tests.engines.rollout.reference_decoding import score_response  # noqa: E402
 from tests.engines.rollout.tiny_model import copy_model_with_state, random_hf_state  # noqa: E402

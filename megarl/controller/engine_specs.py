@@ -1,0 +1,78 @@
+"""Config -> engine arguments: what the Megatron engines and the rollout engine are built and driven with,
+computed from the typed config in one place (the workers build them once)."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
+from megarl.models.parallel_layout import ParallelLayout
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallel_layout(m: MegatronConfig) -> ParallelLayout:
+    return ParallelLayout(
+        tensor_parallel=m.tensor_model_parallel_size, pipeline_parallel=m.pipeline_model_parallel_size,
+        virtual_pipeline_parallel=m.virtual_pipeline_model_parallel_size, context_parallel=m.context_parallel_size,
+        expert_parallel=m.expert_model_parallel_size, expert_tensor_parallel=m.expert_tensor_parallel_size,
+    )
+
+
+def megatron_optimizer_config(optim: OptimConfig, m: MegatronConfig):
+    from megatron.core.optimizer import OptimizerConfig
+
+    dtype = DTYPES[m.params_dtype]
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        use_distributed_optimizer=m.use_distributed_optimizer,
+    )
+
+
+def lr_schedule(optim: OptimConfig, total_steps: int):
+    from megarl.engines.megatron.engine import LRScheduleConfig
+
+    decay = optim.lr_decay_steps or max(total_steps, optim.lr_warmup_steps + 1)
+    return LRScheduleConfig(warmup_steps=optim.lr_warmup_steps, decay_steps=decay,
+                            decay_style=optim.lr_decay_style, min_lr=optim.min_lr)
+
+
+def ddp_config(m: MegatronConfig):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                         use_distributed_optimizer=m.use_distributed_optimizer)
+
+
+def transformer_overrides(m: MegatronConfig) -> dict:
+    overrides = {"sequence_parallel": m.sequence_parallel}
+    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+        if getattr(m, key) is not None:
+            overrides[key] = getattr(m, key)
+    if m.recompute_granularity:
+        overrides.update(recompute_granularity=m.recompute_granularity)
+        if m.recompute_granularity == "full":
+            overrides.update(recompute_method=m.recompute_method or "uniform",
+                             recompute_num_layers=m.recompute_num_layers or 1)
+    return overrides
+
+
+def policy_loss_arguments(actor: ActorConfig) -> dict:
+    """The policy loss and its clip bounds as verl means them: PPO-clip always takes the dual clip
+    (``clip_ratio_c``, 3.0 by default; null turns it off), so ``dual_clip`` is PPO-clip under its older name;
+    GSPO clips per sequence and has no dual clip."""
+    name = "ppo_clip" if actor.policy_loss == "dual_clip" else actor.policy_loss
+    return dict(policy_loss_name=name, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+                clip_ratio_c=None if name == "gspo" else actor.clip_ratio_c)
+
+
+def actor_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
+    """The keyword arguments of ``ActorEngine.update_policy`` for this config, on a rank of ``dp_size``
+    data-parallel replicas (a mini-batch of ``ppo_mini_batch_size`` prompts is split over them)."""
+    a = cfg.actor_rollout_ref.actor
+    return dict(ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size,
+                **policy_loss_arguments(a), entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+                kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
+                norm_length=cfg.data.max_response_length)

@@ -1,0 +1,239 @@
+"""The driver's typed view of the worker groups: one facade per role, one method per thing a role does.
+
+The loop calls ``actor.update(batch)``, not ``group.call("update_actor", batch)``: each driver -> worker edge
+is a method a reader (and an IDE) can follow to the worker method it runs, with the types that cross it.
+The facades sit over either backend (:class:`~megarl.controller.worker_group.WorkerGroup`, a Ray actor per
+rank, or :class:`~megarl.controller.inprocess_group.InProcessWorkerGroup`, the worker in this process).
+Splitting prompts over the rollout ranks and mapping the answers back to the caller's prompt order happens
+here, once (:meth:`Rollout.generate`).
+
+:func:`start_workers` brings the roles up for a config (Ray cluster, resource pools, groups; or the
+in-process worker) and :meth:`Workers.shutdown` takes them down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+from megarl.batch import TrainBatch
+from megarl.config.schema import MegarlConfig
+from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
+
+
+def needs_reference(cfg: MegarlConfig) -> bool:
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for index in range(parts):
+        stop = start + size + (1 if index < extra else 0)
+        out.append(items[start:stop])
+        start = stop
+    return out
+
+
+class Rollout:
+    """Generation: the hybrid actor group (colocated) or the rollout workers (separate placement)."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+        """Every prompt's ``sampling.n`` responses; ``prompt_index`` indexes ``prompts``. The prompts are split
+        evenly over the ranks, in order."""
+        world = self._group.world_size
+        chunks = split_evenly(list(range(len(prompts))), world)
+        per_rank = self._group.call("generate", [[prompts[i] for i in chunk] for chunk in chunks],
+                                    [sampling] * world)
+        return [replace(out, prompt_index=chunk[out.prompt_index])
+                for chunk, outputs in zip(chunks, per_rank) for out in outputs]
+
+
+class ActorRolloutRef:
+    """The Megatron actor, its frozen reference and (colocated) the rollout replicas on the same ranks."""
+
+    def __init__(self, group):
+        self._group = group
+
+    # The device's phases (hybrid engine, :mod:`megarl.controller.device_residency`), named in the loop.
+    def for_generation(self) -> None:
+        """The rollout engine gets the device; the Megatron engines' offloaded parts leave it."""
+        self._group.call("for_generation")
+
+    def for_training(self) -> None:
+        """The Megatron engines get the device; the rollout engine sleeps until the weight sync."""
+        self._group.call("for_training")
+
+    def for_weight_sync(self) -> None:
+        """The actor's weights and the rollout engine's weight memory are both on the device."""
+        self._group.call("for_weight_sync")
+
+    def compute_log_probs(self, batch: TrainBatch):
+        """The actor's per-token log-probs and entropy of the responses (:class:`~megarl.controller.workers.LogProbs`)."""
+        return self._group.call("compute_log_probs", batch)
+
+    def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._group.call("compute_ref_log_probs", batch)
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One PPO update over the batch (its mini-batches and epochs); the actor's metrics."""
+        return self._group.call("update_actor", batch)
+
+    def sync_weights(self) -> dict[str, float]:
+        """The actor's weights into the rollout engines; generation comes next."""
+        return self._group.call("sync_weights")
+
+    def attach_rollout_peers(self, rollout_group) -> None:
+        """Separate placement: stream weights to these rollout workers from now on."""
+        self._group.call("attach_rollout_peers", rollout_group.actors)
+
+    def save(self, path: str) -> None:
+        self._group.call("save_checkpoint", path)
+
+    def save_hf(self, path: str) -> None:
+        self._group.call("save_hf", path)
+
+    def load(self, path: str) -> int:
+        return self._group.call("load_checkpoint", path)
+
+
+class Critic:
+    """The value model."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        return self._group.call("compute_values", batch)
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        return self._group.call("update_critic", batch)
+
+    def save(self, path: str) -> None:
+        self._group.call("save_checkpoint", path)
+
+    def load(self, path: str) -> int:
+        return self._group.call("load_checkpoint", path)
+
+
+@dataclass
+class Workers:
+    """The roles of a run and what :meth:`shutdown` must release."""
+
+    actor: ActorRolloutRef
+    rollout: Rollout
+    critic: Optional[Critic] = None
+    groups: list = field(default_factory=list)
+    started_ray: bool = False
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+        self.groups = []
+        if self.started_ray:
+            from megarl.controller.ray_cluster import shutdown_ray
+
+            shutdown_ray()
+            self.started_ray = False
+
+
+def resolve_device(cfg: MegarlConfig, cluster_gpus: Optional[float] = None) -> str:
+    """The workers' device. ``cluster_gpus``: GPUs of an attached Ray cluster, whose driver (a head or login
+    node) may have none itself; otherwise the workers run on this machine and its CUDA decides."""
+    available = cluster_gpus > 0 if cluster_gpus is not None else torch.cuda.is_available()
+    if cfg.trainer.device == "auto":
+        return "cuda" if available else "cpu"
+    if cfg.trainer.device == "cuda" and not available:
+        where = "the Ray cluster has no GPU" if cluster_gpus is not None else "this machine sees no CUDA device"
+        raise RuntimeError(f"trainer.device=cuda but {where} (use trainer.device=cpu)")
+    return cfg.trainer.device
+
+
+def split_nodes(cfg: MegarlConfig) -> tuple[list[int], list[int]]:
+    """Processes per node of the training pool and of the rollout pool (empty when colocated).
+
+    Separate placement on one node splits its processes; on several nodes the rollout takes whole nodes.
+    """
+    t = cfg.trainer
+    if t.placement != "separate":
+        return [t.n_gpus_per_node] * t.nnodes, []
+    if t.nnodes == 1:
+        return [t.n_gpus_per_node - t.rollout_gpus], [t.rollout_gpus]
+    rollout_nodes = t.rollout_gpus // t.n_gpus_per_node
+    return [t.n_gpus_per_node] * (t.nnodes - rollout_nodes), [t.n_gpus_per_node] * rollout_nodes
+
+
+def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
+    """Bring up every role of ``cfg``: ``trainer.backend=inprocess`` holds the actor in this process; ``ray``
+    starts (or attaches to) a Ray cluster, reserves the pools and starts one worker per rank. On failure what
+    was started is shut down again."""
+    from megarl.controller.rollout_worker import RolloutWorker
+    from megarl.controller.worker_env import worker_env_for
+    from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
+
+    t = cfg.trainer
+    with_critic = bool(cfg.critic.enable)
+    actor_kwargs: dict[str, Any] = dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg))
+    critic_kwargs = dict(cfg=cfg, total_steps=total_steps)
+    if t.backend == "inprocess":
+        from megarl.controller.inprocess_group import InProcessWorkerGroup
+
+        if with_critic:
+            raise ValueError("trainer.backend=inprocess holds one worker; PPO with a critic needs the ray backend")
+        device = resolve_device(cfg)
+        group = InProcessWorkerGroup(ActorRolloutRefWorker, device=device, init_kwargs=actor_kwargs,
+                                     env=worker_env_for(device), name_prefix="actor_rollout_ref")
+        return Workers(actor=ActorRolloutRef(group), rollout=Rollout(group), groups=[group])
+
+    import ray
+
+    from megarl.controller.ray_cluster import init_ray
+    from megarl.controller.resource_pool import ResourcePool
+    from megarl.controller.worker_group import WorkerGroup
+
+    workers = Workers(actor=None, rollout=None)  # filled below; shut down if anything fails on the way
+    try:
+        if not ray.is_initialized():
+            if t.ray_address:  # attach first: the cluster's nodes, not this driver, hold the GPUs
+                init_ray(t.ray_address, extra_env=worker_env_for(t.device))
+            else:
+                init_ray(None, num_cpus=max(4, t.n_gpus_per_node * 2), extra_env=worker_env_for(resolve_device(cfg)))
+            workers.started_ray = True
+        device = resolve_device(cfg, ray.cluster_resources().get("GPU", 0.0))
+        separate = t.placement == "separate"
+        per_process_cpus = 1.0 if device == "cuda" else 0.5
+        train_nodes, rollout_nodes = split_nodes(cfg)
+        pool = ResourcePool("train" if separate else "colocated", train_nodes, device=device,
+                            cpus_per_process=per_process_cpus)
+        share = 0.5 if with_critic else 1.0
+        timeout = t.worker_timeout_s
+        env = worker_env_for(device)
+        actor_group = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
+                                  init_kwargs={**actor_kwargs, "separate_rollout": separate}, env=env,
+                                  call_timeout_s=timeout, init_timeout_s=timeout)
+        workers.groups.append(actor_group)
+        workers.actor = ActorRolloutRef(actor_group)
+        workers.rollout = Rollout(actor_group)
+        if separate:
+            rollout_pool = ResourcePool("rollout", rollout_nodes, device=device, cpus_per_process=per_process_cpus)
+            rollout_group = WorkerGroup(rollout_pool, RolloutWorker, name_prefix="rollout", init_kwargs=dict(cfg=cfg),
+                                        env=env, call_timeout_s=timeout, init_timeout_s=timeout)
+            workers.groups.append(rollout_group)
+            workers.rollout = Rollout(rollout_group)
+            workers.actor.attach_rollout_peers(rollout_group)
+            workers.actor.sync_weights()  # the rollout replicas start from exactly the trainer's weights
+        if with_critic:
+            critic_group = WorkerGroup(pool, CriticWorker, name_prefix="critic", bundle_share=share,
+                                       init_kwargs=critic_kwargs, env=env, call_timeout_s=timeout,
+                                       init_timeout_s=timeout)
+            workers.groups.append(critic_group)
+            workers.critic = Critic(critic_group)
+        return workers
+    except BaseException:
+        workers.shutdown()
+        raise

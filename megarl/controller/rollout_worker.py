@@ -1,0 +1,87 @@
+"""The rollout side of a worker: building a rank's rollout engine from the config, and ``RolloutWorker``, a
+rollout replica on its own device (``trainer.placement=separate``) fed weights by training rank 0."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megarl.config.schema import MegarlConfig
+from megarl.controller.dispatch import Collect, Dispatch, register
+from megarl.controller.engine_specs import DTYPES
+from megarl.controller.rollout_replicas import RolloutReplica, generate_in_replica
+
+
+def check_rollout_tensor_parallel(cfg: MegarlConfig, *, colocated: bool) -> None:
+    """Rollout replicas spanning several ranks exist for vLLM inside the colocated actor group only."""
+    rollout = cfg.actor_rollout_ref.rollout
+    tp = rollout.tensor_model_parallel_size
+    if tp > 1 and (rollout.name != "vllm" or not colocated):
+        raise NotImplementedError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: rollout replicas spanning several ranks "
+            f"need actor_rollout_ref.rollout.name=vllm and trainer.placement=colocate (got name={rollout.name!r}, "
+            f"placement={'colocate' if colocated else 'separate'})")
+
+
+def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int, colocated: bool,
+                             device: str, local_device_index: Optional[int]):
+    """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
+    replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
+    :func:`check_rollout_tensor_parallel`. vLLM runs in this process (its engine core too), so weight
+    buckets reach it as device tensors; colocated on a GPU it is built with sleep mode, to hand the
+    device to training between rollouts (``rollout.free_cache_engine``)."""
+    from megarl.engines.rollout.factory import build_rollout_engine
+
+    rollout = cfg.actor_rollout_ref.rollout
+    engine_kwargs = {"dtype": DTYPES[rollout.dtype]}
+    if rollout.name == "vllm":
+        engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
+                             enforce_eager=rollout.enforce_eager,
+                             max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                             seed=cfg.trainer.seed + seed_offset, in_process=True,
+                             tensor_parallel_size=rollout.tensor_model_parallel_size,
+                             local_device_index=local_device_index if device == "cuda" else None,
+                             enable_sleep_mode=colocated and device == "cuda" and rollout.free_cache_engine)
+        if rollout.kv_cache_memory_mb:
+            engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
+    return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
+
+
+class RolloutWorker:
+    """Separate placement: a rollout engine replica on its own device, fed weights by the trainer."""
+
+    def __init__(self, cfg: MegarlConfig):
+        from megarl.controller.worker_env import read_worker_context
+        from megarl.models.embedded import resolve_model_path
+
+        self.context = read_worker_context()
+        if self.context.device == "cuda":
+            torch.cuda.set_device(self.context.local_device_index)
+        check_rollout_tensor_parallel(cfg, colocated=False)
+        self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
+                                               seed_offset=self.context.rank, colocated=False,
+                                               device=self.context.device,
+                                               local_device_index=self.context.local_device_index)
+        self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
+
+    @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
+    def generate(self, prompt_token_ids: list[list[int]], sampling):
+        return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica)
+
+    def load_weight_bucket(self, bucket) -> None:
+        self.engine.update_weights(bucket)
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        from megarl.weight_sync.broadcast import create_group
+
+        self.weight_group = create_group(host, port, rank, world_size, self.context.device, timeout_s)
+
+    def receive_weight_bucket(self, layout) -> None:
+        from megarl.weight_sync.broadcast import receive_bucket
+
+        device = torch.device("cuda", torch.cuda.current_device()) if self.context.device == "cuda" else "cpu"
+        self.engine.update_weights(receive_bucket(self.weight_group, layout, device))
+
+    def finish_weight_update(self) -> None:
+        self.engine.finish_weight_update()
