@@ -8,7 +8,7 @@ import pytest
 from megarl.plan import LayoutSpec, TrainingSpec, count_parameters, layer_activation_bytes, plan_layout, read_model_dims
 from megarl.plan.memory import GIB, rollout_kv_bytes_per_token
 
-REFERENCE = Path(__file__).resolve().parents[2] / "megarl" / "models" / "reference_configs"
+REFERENCE = Path(__file__).resolve().parents[3] / "megarl" / "models" / "reference_configs"
 
 
 def load(name: str) -> dict:

@@ -7,7 +7,7 @@ import pytest
 
 from megarl.plan import count_parameters, read_model_dims
 
-REFERENCE = Path(__file__).resolve().parents[2] / "megarl" / "models" / "reference_configs"
+REFERENCE = Path(__file__).resolve().parents[3] / "megarl" / "models" / "reference_configs"
 
 
 def load(name: str) -> dict:

@@ -7,7 +7,7 @@ import pytest
 
 from megarl.plan import LayoutSpec, TrainingSpec, check_layout, read_model_dims, split_pipeline_layers
 
-REFERENCE = Path(__file__).resolve().parents[2] / "megarl" / "models" / "reference_configs"
+REFERENCE = Path(__file__).resolve().parents[3] / "megarl" / "models" / "reference_configs"
 
 
 def dims(name: str):

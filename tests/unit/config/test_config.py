@@ -7,7 +7,7 @@ import pytest
 from megarl.config import ConfigError, MegarlConfig, load_config, save_config
 from megarl.config.validate import ADVANTAGE_ESTIMATORS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_defaults_construct_and_validate():
