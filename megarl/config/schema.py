@@ -175,6 +175,18 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RemoteRewardConfig:
+    """A reward service over HTTP scores every sample (megarl.rewards.remote: the protocol, retries)."""
+
+    url: Optional[str] = None
+    batch_size: int = 64  # samples per request
+    max_concurrency: int = 8  # requests in flight at once
+    timeout_s: float = 30.0  # per request
+    max_retries: int = 3  # connection errors, timeouts, HTTP 429/5xx, malformed answers
+    backoff_s: float = 0.5  # before the first retry; doubles each time
+
+
+@dataclass
 class RewardConfig:
     reward_manager: str = "naive"
     on_error: str = "fail"  # fail | zero
@@ -182,6 +194,7 @@ class RewardConfig:
     max_error_fraction: float = 0.5
     custom_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
 @dataclass

@@ -164,6 +164,18 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     _choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
     _choice(data.truncation, ("error", "left", "right"), "data.truncation")
     _choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")
+    remote = cfg.reward_model.remote
+    if remote.url is not None:
+        if not remote.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward_model.remote.url must be an http(s) URL, got {remote.url!r}")
+        if cfg.reward_model.custom_function.path:
+            raise ConfigError("reward_model.remote.url and reward_model.custom_function.path both score every "
+                              "sample: set one")
+        for name in ("batch_size", "max_concurrency"):
+            if getattr(remote, name) < 1:
+                raise ConfigError(f"reward_model.remote.{name} must be >= 1, got {getattr(remote, name)}")
+        if remote.timeout_s <= 0 or remote.max_retries < 0 or remote.backoff_s < 0:
+            raise ConfigError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0")
     _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
     _choice(t.placement, ("colocate", "separate"), "trainer.placement")
     _choice(t.backend, ("ray", "inprocess"), "trainer.backend")

@@ -5,7 +5,8 @@ is a method a reader (and an IDE) can follow to the worker method it runs, with 
 The facades sit over either backend (:class:`~megarl.controller.worker_group.WorkerGroup`, a Ray actor per
 rank, or :class:`~megarl.controller.inprocess_group.InProcessWorkerGroup`, the worker in this process).
 Splitting prompts over the rollout ranks and mapping the answers back to the caller's prompt order happens
-here, once (:meth:`Rollout.generate`).
+here, once (:meth:`Rollout.generate`), and each method ships only the batch fields its worker method reads
+(:data:`SHIPPED_FIELDS`).
 
 :func:`start_workers` brings the roles up for a config (Ray cluster, resource pools, groups; or the
 in-process worker) and :meth:`Workers.shutdown` takes them down.
@@ -13,6 +14,7 @@ in-process worker) and :meth:`Workers.shutdown` takes them down.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -21,6 +23,24 @@ import torch
 from megarl.batch import TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
+
+
+# What each worker method reads of a TrainBatch. Only these fields travel to the ranks; the rest (reward
+# inputs, scores, group ids, the rollout engine's own log-probs) stays with the driver.
+_MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+SHIPPED_FIELDS = {
+    "compute_log_probs": _MODEL_INPUTS,
+    "compute_ref_log_probs": _MODEL_INPUTS,
+    "compute_values": _MODEL_INPUTS,
+    "update_actor": _MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages"),
+    "update_critic": _MODEL_INPUTS + ("values", "returns"),
+}
+
+
+def shipped(batch: TrainBatch, method: str) -> TrainBatch:
+    """``batch`` with the fields ``method`` does not read set to None (no copy of the tensors it keeps)."""
+    keep = SHIPPED_FIELDS[method]
+    return dataclasses.replace(batch, **{f.name: None for f in dataclasses.fields(batch) if f.name not in keep})
 
 
 def needs_reference(cfg: MegarlConfig) -> bool:
@@ -75,14 +95,14 @@ class ActorRolloutRef:
 
     def compute_log_probs(self, batch: TrainBatch):
         """The actor's per-token log-probs and entropy of the responses (:class:`~megarl.controller.workers.LogProbs`)."""
-        return self._group.call("compute_log_probs", batch)
+        return self._group.call("compute_log_probs", shipped(batch, "compute_log_probs"))
 
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._group.call("compute_ref_log_probs", batch)
+        return self._group.call("compute_ref_log_probs", shipped(batch, "compute_ref_log_probs"))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One PPO update over the batch (its mini-batches and epochs); the actor's metrics."""
-        return self._group.call("update_actor", batch)
+        return self._group.call("update_actor", shipped(batch, "update_actor"))
 
     def sync_weights(self) -> dict[str, float]:
         """The actor's weights into the rollout engines; generation comes next."""
@@ -109,10 +129,10 @@ class Critic:
         self._group = group
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        return self._group.call("compute_values", batch)
+        return self._group.call("compute_values", shipped(batch, "compute_values"))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        return self._group.call("update_critic", batch)
+        return self._group.call("update_critic", shipped(batch, "update_critic"))
 
     def save(self, path: str) -> None:
         self._group.call("save_checkpoint", path)

@@ -11,12 +11,10 @@ Leaves out: Megatron parallel-state (TP/PP/CP/DP) initialisation, which belongs 
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 from typing import Mapping
 
-import torch
 import torch.distributed as dist
 
 ENV_GROUP_NAME = "MEGARL_GROUP_NAME"
@@ -73,21 +71,15 @@ def init_torch_distributed(*, backend: str | None = None, timeout_s: float = 600
     the watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default). The driver's per-call timeout in
     `WorkerGroup.call` is the outer guard.
     """
+    from megarl.engines.megatron.parallel import init_distributed
+
     ctx = read_worker_context()
     if dist.is_initialized():
         raise RuntimeError(f"{ctx.group_name} rank {ctx.rank}: torch.distributed is already initialised")
-    if ctx.device == "cuda":
-        if ctx.local_device_index is None:
-            raise RuntimeError(f"{ctx.group_name} rank {ctx.rank}: {ENV_LOCAL_DEVICE} is not set on a CUDA worker")
-        torch.cuda.set_device(ctx.local_device_index)
-    chosen = backend or ("nccl" if ctx.device == "cuda" else "gloo")
-    dist.init_process_group(
-        backend=chosen,
-        init_method="env://",
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    if ctx.device == "cuda" and ctx.local_device_index is None:
+        raise RuntimeError(f"{ctx.group_name} rank {ctx.rank}: {ENV_LOCAL_DEVICE} is not set on a CUDA worker")
+    init_distributed(backend=backend, timeout_s=timeout_s, device=ctx.device,
+                     local_device_index=ctx.local_device_index)
     return ctx
 
 

@@ -10,7 +10,9 @@ Error policy: `on_error="fail"` raises `RewardError` naming the sample, data_sou
 `reward/num_errors` and warns on stderr with the batch's first error; a batch where more than
 `max_error_fraction` of the samples failed raises `RewardError` all the same (a scorer that fails everywhere is
 a broken scorer, not noise). An unknown data_source is a configuration error and always raises.
-Leaves out: parallel / async scoring, model-based reward models, decoding token ids to text.
+With a remote reward service (:mod:`megarl.rewards.remote`, ``reward_model.remote.url``) the service scores
+every sample instead (with its prompt); a request that still fails after its retries is each of its samples'
+error, under the same policy. Leaves out: model-based reward models, decoding token ids to text.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.rewards.remote import RemoteRewardClient, RemoteRewardError
 from megarl.rewards.routing import ScorerFn, ScorerRouter
 
 ON_ERROR_POLICIES = ("fail", "zero")
@@ -68,17 +71,24 @@ class RewardManager:
         routes: Mapping[str, str | ScorerFn] | None = None,
         on_error: str = "fail",
         max_error_fraction: float = 0.5,
+        remote: RemoteRewardClient | None = None,
     ):
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"on_error must be one of {ON_ERROR_POLICIES}, got {on_error!r}")
         if not 0.0 <= max_error_fraction <= 1.0:
             raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
+        if remote is not None and custom_fn is not None:
+            raise ValueError("reward_model.remote.url and reward_model.custom_function.path both score every "
+                             "sample: set one")
         self.custom_fn = custom_fn
+        self.remote = remote
         self.router = ScorerRouter(routes)
         self.on_error = on_error
         self.max_error_fraction = max_error_fraction
 
     def _scorer_name(self, data_source: str) -> str:
+        if self.remote is not None:
+            return f"remote:{self.remote.url}"
         if self.custom_fn is not None:
             return f"custom:{getattr(self.custom_fn, '__qualname__', repr(self.custom_fn))}"
         return self.router.scorer_name(data_source)
@@ -94,16 +104,24 @@ class RewardManager:
         solution_strs: Sequence[str],
         ground_truths: Sequence,
         extra_infos: Sequence[dict | None] | None = None,
+        prompt_strs: Sequence[str] | None = None,
     ) -> RewardResult:
+        """``prompt_strs``: the prompts' text, which a remote reward service receives with each response."""
         batch = len(solution_strs)
         extra_infos = [None] * batch if extra_infos is None else list(extra_infos)
+        prompt_strs = [""] * batch if prompt_strs is None else list(prompt_strs)
         for field, values in (("data_sources", data_sources), ("ground_truths", ground_truths),
-                              ("extra_infos", extra_infos)):
+                              ("extra_infos", extra_infos), ("prompt_strs", prompt_strs)):
             if len(values) != batch:
                 raise ValueError(f"{field} has {len(values)} entries but solution_strs has {batch}")
-        if self.custom_fn is None:
+        if self.custom_fn is None and self.remote is None:
             for i, source in enumerate(data_sources):
                 self.router.check_known(source, index=i)
+        remote = None
+        if self.remote is not None:
+            remote = self.remote.score([
+                {"prompt": prompt_strs[i], "response": solution_strs[i], "ground_truth": ground_truths[i],
+                 "data_source": data_sources[i], "extra_info": extra_infos[i] or {}} for i in range(batch)])
 
         scores: list[float] = []
         per_sample: list[dict] = []
@@ -112,7 +130,12 @@ class RewardManager:
         for i in range(batch):
             source = data_sources[i]
             try:
-                result = self._score_one(source, solution_strs[i], ground_truths[i], extra_infos[i] or {})
+                if remote is not None:
+                    if remote.errors[i] is not None:
+                        raise RemoteRewardError(remote.errors[i])
+                    result = remote.scores[i]
+                else:
+                    result = self._score_one(source, solution_strs[i], ground_truths[i], extra_infos[i] or {})
                 score, extras = _split_result(result)
             except Exception as exc:  # any scorer failure is reported with its sample, never swallowed silently
                 message = (
@@ -134,11 +157,11 @@ class RewardManager:
                                   f"{self.max_error_fraction} of the batch")
             print(f"[megarl] warning: {summary}", file=sys.stderr, flush=True)
 
-        return RewardResult(
-            scores=torch.tensor(scores, dtype=torch.float32),
-            extra_infos=per_sample,
-            metrics=_summarise(data_sources, scores, per_sample, num_errors),
-        )
+        metrics = _summarise(data_sources, scores, per_sample, num_errors)
+        if remote is not None:
+            metrics.update({"reward/remote/requests": float(remote.requests),
+                            "reward/remote/retries": float(remote.retries)})
+        return RewardResult(scores=torch.tensor(scores, dtype=torch.float32), extra_infos=per_sample, metrics=metrics)
 
 
 def _summarise(data_sources, scores, per_sample, num_errors) -> dict[str, float]:

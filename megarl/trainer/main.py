@@ -43,10 +43,16 @@ def build_data(cfg: MegarlConfig, tokenizer):
 def build_reward_manager(cfg: MegarlConfig):
     from megarl.rewards import RewardManager, load_custom_reward_fn
 
+    from megarl.rewards.remote import RemoteRewardClient
+
     custom = cfg.reward_model.custom_function
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    r = cfg.reward_model.remote
+    remote = (RemoteRewardClient(r.url, batch_size=r.batch_size, max_concurrency=r.max_concurrency,
+                                 timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s)
+              if r.url else None)
     return RewardManager(custom_fn=custom_fn, on_error=cfg.reward_model.on_error,
-                         max_error_fraction=cfg.reward_model.max_error_fraction)
+                         max_error_fraction=cfg.reward_model.max_error_fraction, remote=remote)
 
 
 def run(cfg: MegarlConfig) -> list[dict]:

@@ -78,6 +78,11 @@ def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
 def score_rollout(reward_manager: RewardManager, tokenizer, batch: RolloutBatch):
     """``(token_level_scores [B, R], sequence scores [B], metrics)`` for a rollout batch."""
     texts = decode_responses(tokenizer, batch)
-    result = reward_manager.score_batch(batch.data_sources, texts, batch.ground_truths, batch.extra_infos)
+    prompts = None
+    if reward_manager.remote is not None:  # the service gets each prompt with its response
+        prompts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+                   for ids, mask in zip(batch.prompt_ids, batch.prompt_mask)]
+    result = reward_manager.score_batch(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
+                                        prompt_strs=prompts)
     token_scores = place_scores_on_last_token(result.scores, batch.response_mask)
     return token_scores, result.scores, result.metrics

@@ -451,3 +451,21 @@ def test_sigkill_of_the_driver_at_random_points_resumes_to_the_uninterrupted_cur
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), f"seed {seed}"
     for key in CURVE_KEYS:
         assert [r[key] for r in rows] == [h[key] for h in straight], f"seed {seed}: {key}"
+
+
+def test_grpo_scored_by_a_remote_reward_service(tmp_path):
+    """The whole loop with reward_model.remote.url: a real HTTP service on loopback scores every response
+    (given its prompt); the trainer's scores are the service's."""
+    from tests.reward_service import RewardService, reference_score
+
+    with RewardService() as service:
+        history = _run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.backend=inprocess",
+                               f"reward_model.remote.url={service.url}", "reward_model.remote.batch_size=32"))
+    samples = [s for request in service.requests for s in request]
+    per_step = 16 * 8  # data.train_batch_size x rollout.n of grpo_tiny
+    assert len(samples) == 2 * per_step and history[0]["reward/remote/requests"] == per_step / 32
+    assert all(s["prompt"] and s["data_source"] for s in samples)
+    for step, row in enumerate(history):
+        step_samples = samples[step * per_step:(step + 1) * per_step]
+        expected = sum(reference_score(s) for s in step_samples) / per_step
+        assert row["critic/score/mean"] == pytest.approx(expected, abs=1e-6)

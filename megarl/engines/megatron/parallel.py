@@ -45,13 +45,15 @@ def device_for_this_process() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group from the environment (idempotent).
+def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0, device: Optional[str] = None,
+                     local_device_index: Optional[int] = None) -> None:
+    """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT): the
+    one place megarl does; idempotent. ``device``: "cuda" or "cpu" (default: CUDA when available);
+    ``local_device_index``: this rank's GPU (default: LOCAL_RANK).
 
-    On a CPU machine the megatron CPU redirections are enabled even when another layer (e.g. the Ray
-    worker bootstrap) already created the process group.
+    On CPU the megatron CPU redirections are enabled even when the process group already exists.
     """
-    use_cuda = torch.cuda.is_available()
+    use_cuda = device == "cuda" if device is not None else torch.cuda.is_available()
     if not use_cuda:
         from megarl.engines.megatron.cpu_compat import enable_cpu_compat
 
@@ -59,9 +61,13 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0)
     if dist.is_initialized():
         return
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        index = local_device_index
+        if index is None:
+            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
     dist.init_process_group(
         backend=backend or ("nccl" if use_cuda else "gloo"),
+        init_method="env://",
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=timeout_s),
