@@ -59,6 +59,8 @@ class TrainBatch(RolloutBatch):
     token_level_rewards: Optional[torch.Tensor] = None  # [B, R] scores minus in-reward KL
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
+    rollout_is_weights: Optional[torch.Tensor] = None  # [B, R] rollout correction's importance weights
+    loss_mask: Optional[torch.Tensor] = None  # [B, R] response tokens the policy loss counts (None: response_mask)
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch) -> "TrainBatch":

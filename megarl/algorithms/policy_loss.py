@@ -64,6 +64,7 @@ def _zero_padding(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
 def compute_ppo_clip_loss(
     *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
     clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None,
 ):
     """PPO clipped surrogate (Schulman et al. 2017) per token: max(-A r, -A clip(r)).
     Dual clip (Ye et al. 2020), when `clip_ratio_c` (> 1) is given, bounds the loss of negative-advantage tokens
@@ -87,6 +88,8 @@ def compute_ppo_clip_loss(
         loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, dual_bound), loss_mat)
     metrics["pg_clipfrac_lower"] = masked_mean(lower_active.float(), response_mask).item()
     metrics.update(_kl_metrics(log_ratio, response_mask))
+    if rollout_is_weights is not None:  # rollout correction (megarl.algorithms.rollout_correction); no gradient
+        loss_mat = loss_mat * rollout_is_weights.detach()
 
     loss = aggregate_loss(
         loss_mat, response_mask, loss_agg_mode,
@@ -99,7 +102,7 @@ def compute_ppo_clip_loss(
 def compute_gspo_loss(
     *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
     clip_ratio_c=None, loss_agg_mode="seq-mean-token-mean", global_num_tokens=None, global_num_seqs=None,
-    norm_length=None,
+    norm_length=None, rollout_is_weights=None,
 ):
     """GSPO (Zheng et al. 2025): the importance ratio is per sequence, s_i = exp(mean_t log(pi/pi_old)), and
     clipped per sequence (the paper uses tiny ranges, e.g. 3e-4 / 4e-4). The token-wise form
@@ -124,6 +127,8 @@ def compute_gspo_loss(
         "pg_clipfrac_lower": 0.0,
     }
     metrics.update(_kl_metrics(log_ratio, response_mask))
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * rollout_is_weights.detach()
     loss = aggregate_loss(
         loss_mat, response_mask, loss_agg_mode,
         global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, norm_length=norm_length,

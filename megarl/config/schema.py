@@ -215,6 +215,24 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction`` in its decoupled mode (megarl.algorithms.rollout_correction):
+    importance weights and rejection from the rollout engine's log-probs vs the trainer's."""
+
+    rollout_is: Optional[str] = None  # null | token | sequence
+    rollout_is_threshold: str = "2.0"  # a number: truncate above it (TIS); "lower_upper": zero outside (IcePop)
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: Optional[str] = None  # comma list: token_k1..k3, seq_sum_k1..k3, seq_mean_k1..k3, seq_max_k2/k3
+    rollout_rs_threshold: Optional[str] = None  # k1: "lower_upper" ratio bounds (or u: [1/u, u]); k2/k3: upper
+    bypass_mode: bool = False  # verl's bypass mode (rollout log-probs as old_log_probs) is not supported
+    loss_type: str = "ppo_clip"  # bypass mode's loss in verl; without bypass mode PPO's own loss applies
+
+    @property
+    def enabled(self) -> bool:
+        return self.rollout_is is not None or bool(self.rollout_rs)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"  # gae | grpo | dr_grpo | rloo | reinforce_plus_plus | ... | remax | opo
     gamma: float = 1.0
@@ -224,6 +242,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

@@ -164,6 +164,12 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     _choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
     _choice(data.truncation, ("error", "left", "right"), "data.truncation")
     _choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")
+    correction = cfg.algorithm.rollout_correction
+    if correction.rollout_is is not None:
+        _choice(correction.rollout_is, ("token", "sequence"), "algorithm.rollout_correction.rollout_is")
+    if correction.bypass_mode:
+        raise ConfigError("algorithm.rollout_correction.bypass_mode=true (rollout log-probs standing in for "
+                          "old_log_probs) is not supported; the decoupled mode (false) is")
     remote = cfg.reward_model.remote
     if remote.url is not None:
         if not remote.url.startswith(("http://", "https://")):

@@ -32,7 +32,8 @@ SHIPPED_FIELDS = {
     "compute_log_probs": _MODEL_INPUTS,
     "compute_ref_log_probs": _MODEL_INPUTS,
     "compute_values": _MODEL_INPUTS,
-    "update_actor": _MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages"),
+    "update_actor": _MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights",
+                                     "loss_mask"),
     "update_critic": _MODEL_INPUTS + ("values", "returns"),
 }
 

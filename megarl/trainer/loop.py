@@ -22,6 +22,7 @@ import torch
 from megarl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_in_reward, get_advantage_estimator
 from megarl.algorithms.dynamic_sampling import first_groups, overlong_penalty, rows_of_informative_groups
 from megarl.algorithms.masked import masked_mean
+from megarl.algorithms.rollout_correction import compute_rollout_correction, parse_bounds, rs_options, rs_thresholds
 from megarl.batch import RolloutBatch, TrainBatch, concat_rows, select_rows
 from megarl.config.schema import MegarlConfig
 from megarl.controller.roles import ActorRolloutRef, Critic, Rollout, needs_reference
@@ -63,6 +64,10 @@ class RLTrainer:
         self.total_steps = total_steps
         self.stop_requested = stop_requested  # a scheduler's stop signal: checkpoint after this step and end
         self.kl_ctrl = build_kl_controller(cfg)
+        rc = cfg.algorithm.rollout_correction
+        if rc.rollout_is is not None:  # bad thresholds fail here, naming the key, not after the first rollout
+            parse_bounds(rc.rollout_is_threshold, name="algorithm.rollout_correction.rollout_is_threshold")
+        rs_thresholds(rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
         self.state = TrainerState()
         self.history: list[dict] = []
 
@@ -114,6 +119,8 @@ class RLTrainer:
                 self.actor.for_training()
                 actor_out = self.actor.compute_log_probs(batch)
                 batch.old_log_probs, entropy = actor_out.log_probs, actor_out.entropy
+            if cfg.algorithm.rollout_correction.enabled:
+                metrics.update(self.correct_for_rollout_mismatch(batch))
             if needs_reference(cfg):
                 with timed("ref", metrics):
                     batch.ref_log_probs = self.actor.compute_ref_log_probs(batch)
@@ -223,6 +230,22 @@ class RLTrainer:
             ground_truths=prompts.ground_truths, extra_infos=prompts.extra_infos,
             rollout_log_probs=log_probs if have_log_probs else None,
         )
+
+    def correct_for_rollout_mismatch(self, batch: TrainBatch) -> dict[str, float]:
+        """``algorithm.rollout_correction``: importance weights and rejected tokens from the rollout engine's
+        log-probs against the trainer's (megarl.algorithms.rollout_correction), onto the batch."""
+        rc = self.cfg.algorithm.rollout_correction
+        if batch.rollout_log_probs is None:
+            raise RuntimeError("algorithm.rollout_correction needs the rollout engine's log-probs of the sampled "
+                               "tokens, and this rollout engine returned none")
+        correction = compute_rollout_correction(
+            old_log_probs=batch.old_log_probs, rollout_log_probs=batch.rollout_log_probs,
+            response_mask=batch.response_mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+            rollout_rs_threshold=rc.rollout_rs_threshold)
+        batch.rollout_is_weights = correction.is_weights
+        batch.loss_mask = correction.loss_mask if rc.rollout_rs else None
+        return correction.metrics
 
     def compute_advantages(self, batch: TrainBatch, scores: torch.Tensor,
                            baseline: Optional[torch.Tensor] = None) -> dict[str, float]:

@@ -469,3 +469,23 @@ def test_grpo_scored_by_a_remote_reward_service(tmp_path):
         step_samples = samples[step * per_step:(step + 1) * per_step]
         expected = sum(reference_score(s) for s in step_samples) / per_step
         assert row["critic/score/mean"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_rollout_correction_in_the_loop(tmp_path):
+    """algorithm.rollout_correction through the whole loop. The HF rollout engine and the Megatron actor agree to
+    ~1e-6 in fp32, so token IS weights are ~1 and the update is the uncorrected one; bounds that no ratio
+    meets reject every token, and the update then changes nothing."""
+    base = ["trainer.total_training_steps=2", "trainer.backend=inprocess"]
+    plain = _run(_config(tmp_path / "plain", *base))
+    weighted = _run(_config(tmp_path / "weighted", *base, "algorithm.rollout_correction.rollout_is=token",
+                            "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                            "algorithm.rollout_correction.rollout_rs_threshold=0.01"))
+    for p, w in zip(plain, weighted):
+        assert w["actor/pg_loss"] == pytest.approx(p["actor/pg_loss"], rel=1e-3, abs=1e-6)
+        assert w["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert w["rollout_corr/rs_masked_fraction"] == 0.0
+    rejected = _run(_config(tmp_path / "rejected", *base, "algorithm.rollout_correction.rollout_rs=token_k1",
+                            "algorithm.rollout_correction.rollout_rs_threshold=1.5_2.0"))
+    for row in rejected:
+        assert row["rollout_corr/rs_masked_fraction"] == 1.0
+        assert row["actor/pg_loss"] == 0.0 and row["actor/grad_norm"] == 0.0

@@ -97,6 +97,9 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         num_mini = check_mini_batches(rows, mini_batch_size, self.fixed_micro_batch_size)
         norm_length = norm_length or batch.response_ids.shape[1]
         fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss else ())
+        # rollout correction (megarl.algorithms.rollout_correction): importance weights on the policy loss, and
+        # the tokens it rejected out of the loss and out of its token counts
+        fields += tuple(name for name in ("rollout_is_weights", "loss_mask") if getattr(batch, name) is not None)
 
         names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "ppo_kl_wsum"]
         if use_kl_loss:
@@ -105,16 +108,22 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         for _ in range(ppo_epochs):
             for index in range(num_mini):
                 mini = select_rows(batch, slice(index * mini_batch_size, (index + 1) * mini_batch_size))
-                num_tokens, num_seqs = self.global_counts(mini.response_mask.float())
+                loss_mask = mini.response_mask if mini.loss_mask is None else mini.loss_mask
+                num_tokens, num_seqs = self.global_counts(loss_mask.float())
                 counts = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length)
 
                 def loss(mb, output, counts=counts):
                     log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
-                    mask = mb["response_mask"]
+                    mask = mb["loss_mask"] if mb.get("loss_mask") is not None else mb["response_mask"]
+                    if mb.get("loss_mask") is not None and not bool(mask.any()):
+                        # every token here was rejected: no loss, but a backward pass like its neighbours'
+                        zero = log_probs.sum() * 0.0
+                        return zero, {name: zero.detach() for name in names} | {"num_tokens": mask.sum()}
                     pg_loss, pg_metrics = policy_loss(
                         log_probs=log_probs, old_log_probs=mb["old_log_probs"], advantages=mb["advantages"],
                         response_mask=mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                        clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode, **counts,
+                        clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+                        rollout_is_weights=mb.get("rollout_is_weights"), **counts,
                     )
                     entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
                     total = pg_loss - entropy_coeff * entropy_share if entropy_coeff else pg_loss
