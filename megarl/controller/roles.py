@@ -106,7 +106,7 @@ class ActorRolloutRef:
         return self._group.call("update_actor", shipped(batch, "update_actor"))
 
     def sync_weights(self) -> dict[str, float]:
-        """The actor's weights into the rollout engines; generation comes next."""
+        """The actor's weights into the rollout engines (after :meth:`for_weight_sync`); the metrics of the sync."""
         return self._group.call("sync_weights")
 
     def attach_rollout_peers(self, rollout_group) -> None:
