@@ -158,7 +158,8 @@ def compute_rollout_correction(
             else:  # one weight per sequence: their mean
                 per_sequence = torch.where(mask, weights, 0.0).amax(dim=1)[seq_valid]
                 mean = per_sequence.mean() if per_sequence.numel() else weights.new_tensor(1.0)
-            weights = weights / mean.clamp(min=1e-8)
+            if float(mean) > 1e-8:  # all weights ~0 (IcePop rejected everything): nothing to rescale
+                weights = weights / mean
         valid = weights[mask]
         metrics.update({
             "rollout_corr/is_weight_mean": float(valid.mean()) if valid.numel() else 1.0,
