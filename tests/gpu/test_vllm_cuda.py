@@ -148,9 +148,8 @@ def test_wake_up_takes_back_what_the_trainer_left_in_pytorchs_cache(engine, weig
     margin = KV_CACHE_BYTES // 2  # less than the KV cache needs
     block = torch.empty(free - margin, dtype=torch.uint8, device="cuda")
     del block  # freed, but still reserved by PyTorch
-    assert torch.cuda.mem_get_info()[0] < KV_CACHE_BYTES
+    assert torch.cuda.mem_get_info()[0] < KV_CACHE_BYTES  # the KV cache cannot be mapped as things stand
     engine.wake_up(weights_only=True)
     push(engine, original, bucket_bytes=8 << 20)
-    engine.wake_up()
-    assert torch.cuda.memory_reserved() < margin
+    engine.wake_up()  # ran out of memory here before wake_up emptied PyTorch's cache
     assert len(greedy(engine)) == len(PROMPTS)
