@@ -102,37 +102,39 @@ def compute_rollout_correction(
     rollout_is_batch_normalize: bool = False, rollout_rs: Optional[str] = None, rollout_rs_threshold=None,
 ) -> RolloutCorrection:
     mask = response_mask.bool()
+    mask_f = mask.double()
+    valid_tokens = max(int(mask.sum()), 1)
     log_ratio = torch.where(mask, old_log_probs.double() - rollout_log_probs.double(), 0.0)
     log_ratio = log_ratio.clamp(-_LOG_BOUND, _LOG_BOUND)
-    seq_valid = mask.any(dim=1)
     metrics: dict[str, float] = {
         # rollout-vs-trainer KL (k3 estimate, mean per token) and the perplexity ratio of the two policies
-        "rollout_corr/kl": float(masked_mean(torch.expm1(-log_ratio) + log_ratio, response_mask.double())),
-        "rollout_corr/ppl_ratio": float(torch.exp(-masked_mean(log_ratio, response_mask.double()))),
+        "rollout_corr/kl": float(masked_mean(torch.expm1(-log_ratio) + log_ratio, mask_f)),
+        "rollout_corr/ppl_ratio": float(torch.exp(-masked_mean(log_ratio, mask_f))),
     }
 
     keep = mask.clone()
     options = rs_options(rollout_rs)
     for option, (lower, upper) in rs_thresholds(options, rollout_rs_threshold).items():
         level, _, kind = option.rpartition("_")
-        token_stat = {"k1": log_ratio, "k2": 0.5 * log_ratio**2, "k3": torch.expm1(log_ratio) - log_ratio}[kind]
-        if level == "token":
-            stat = token_stat
+        if kind == "k1":
+            stat = log_ratio
+        elif kind == "k2":
+            stat = 0.5 * log_ratio**2
         else:
-            counts = mask.sum(dim=1).clamp(min=1)
-            masked = torch.where(mask, token_stat, 0.0)
-            stat = {"seq_sum": masked.sum(dim=1), "seq_mean": masked.sum(dim=1) / counts,
-                    "seq_max": torch.where(mask, token_stat, -math.inf).max(dim=1).values}[level]
+            stat = torch.expm1(log_ratio) - log_ratio
+        if level == "seq_max":
+            stat = torch.where(mask, stat, -math.inf).max(dim=1).values
+        elif level != "token":  # seq_sum, seq_mean (log_ratio, hence every stat, is 0 on padding)
+            stat = stat.sum(dim=1) / (mask.sum(dim=1).clamp(min=1) if level == "seq_mean" else 1)
         inside = stat <= upper
         if lower is not None:
             inside &= stat >= lower
         if level != "token":
             inside = inside[:, None].expand_as(mask)
-        rejected = mask & ~inside
-        metrics[f"rollout_corr/{option}_masked_fraction"] = float(rejected.sum()) / max(int(mask.sum()), 1)
+        metrics[f"rollout_corr/{option}_masked_fraction"] = float((mask & ~inside).sum()) / valid_tokens
         keep &= inside
     if options:
-        metrics["rollout_corr/rs_masked_fraction"] = 1.0 - float(keep.sum()) / max(int(mask.sum()), 1)
+        metrics["rollout_corr/rs_masked_fraction"] = 1.0 - float(keep.sum()) / valid_tokens
 
     weights = None
     if rollout_is is not None:
@@ -147,16 +149,16 @@ def compute_rollout_correction(
         raw = torch.where(mask, torch.exp(log_weight), 0.0)
         if lower is None:
             weights = raw.clamp(max=upper)
-            metrics["rollout_corr/is_truncated_fraction"] = float(masked_mean((raw > upper).double(), mask.double()))
+            metrics["rollout_corr/is_truncated_fraction"] = float(masked_mean((raw > upper).double(), mask_f))
         else:
             inside = (raw >= lower) & (raw <= upper)
             weights = torch.where(inside, raw, 0.0)
-            metrics["rollout_corr/is_out_of_bounds_fraction"] = float(masked_mean((~inside).double(), mask.double()))
+            metrics["rollout_corr/is_out_of_bounds_fraction"] = float(masked_mean((~inside).double(), mask_f))
         if rollout_is_batch_normalize:
             if rollout_is == "token":
-                mean = masked_mean(weights, mask.double())
+                mean = masked_mean(weights, mask_f)
             else:  # one weight per sequence: their mean
-                per_sequence = torch.where(mask, weights, 0.0).amax(dim=1)[seq_valid]
+                per_sequence = torch.where(mask, weights, 0.0).amax(dim=1)[mask.any(dim=1)]
                 mean = per_sequence.mean() if per_sequence.numel() else weights.new_tensor(1.0)
             if float(mean) > 1e-8:  # all weights ~0 (IcePop rejected everything): nothing to rescale
                 weights = weights / mean

@@ -43,6 +43,8 @@ class DeviceResidency:
     def for_generation(self) -> None:
         from megarl.engines.megatron.offload import offload_engine
 
+        if self.rollout is None:  # generation runs elsewhere (separate placement): nothing here makes room for it
+            return
         p = self.offload
         if self._actor_offloaded is None and p.offloads_actor:
             self._actor_offloaded = offload_engine(self.actor, params=p.actor_params, grads=p.actor_grads,

@@ -160,8 +160,7 @@ class ActorRolloutRefWorker(_MegatronRole):
     # a call out of order is still correct (entering the current phase again is free).
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def for_generation(self) -> None:
-        if self.rollout is not None:  # separate placement: nothing of generation's is on this device
-            self.residency.for_generation()
+        self.residency.for_generation()
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def for_training(self) -> None:

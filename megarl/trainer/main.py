@@ -2,8 +2,9 @@
 
 Builds everything the loop needs from a :class:`MegarlConfig` — tokenizer, datasets, reward manager, the
 workers' roles (:func:`megarl.controller.roles.start_workers`: a Ray cluster, local or attached with
-``trainer.ray_address``, its resource pools and worker groups), loggers and the checkpoint manager — then runs :class:`megarl.trainer.loop.RLTrainer`. ``run(cfg)`` is
-the programmatic form (used by ``launch/multinode.py`` and the end-to-end tests).
+``trainer.ray_address``, its resource pools and worker groups), loggers and the checkpoint manager — then
+runs :class:`megarl.trainer.loop.RLTrainer`. ``run(cfg)`` is the programmatic form (used by
+``launch/multinode.py`` and the end-to-end tests).
 """
 
 from __future__ import annotations

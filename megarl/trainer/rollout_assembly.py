@@ -68,20 +68,17 @@ def assemble_rollout_batch(
     )
 
 
-def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
-    return [
-        tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-        for ids, mask in zip(batch.response_ids, batch.response_mask)
-    ]
+def decode_rows(tokenizer, token_ids, mask) -> list[str]:
+    """The text of each row's real tokens (``mask`` 1), special tokens left out."""
+    return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True) for ids, m in zip(token_ids, mask)]
 
 
 def score_rollout(reward_manager: RewardManager, tokenizer, batch: RolloutBatch):
     """``(token_level_scores [B, R], sequence scores [B], metrics)`` for a rollout batch."""
-    texts = decode_responses(tokenizer, batch)
+    texts = decode_rows(tokenizer, batch.response_ids, batch.response_mask)
     prompts = None
     if reward_manager.remote is not None:  # the service gets each prompt with its response
-        prompts = [tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
-                   for ids, mask in zip(batch.prompt_ids, batch.prompt_mask)]
+        prompts = decode_rows(tokenizer, batch.prompt_ids, batch.prompt_mask)
     result = reward_manager.score_batch(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
                                         prompt_strs=prompts)
     token_scores = place_scores_on_last_token(result.scores, batch.response_mask)
