@@ -28,6 +28,7 @@ class RolloutBatch:
     ground_truths: list[Any] = field(default_factory=list)
     extra_infos: list[Any] = field(default_factory=list)
     rollout_log_probs: Optional[torch.Tensor] = None  # [B, R] as computed by the rollout engine
+    raw_prompts: list[Any] = field(default_factory=list)  # the dataset's prompt (chat messages or text) per row
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])

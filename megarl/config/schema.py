@@ -187,7 +187,50 @@ class RemoteRewardConfig:
 
 
 @dataclass
+class RewardModelPathConfig:
+    """The reward model's weights and, as in verl, the policy tokenizer its inputs are decoded with."""
+
+    path: Optional[str] = None  # a HF *ForSequenceClassification dir (num_labels=1), or embedded:tiny-qwen2-rm
+    # Set: responses are always decoded with this (the policy's) tokenizer and re-tokenized with the reward
+    # model's own chat template (verl's meaning). Unset: the same happens only when the two vocabularies differ.
+    input_tokenizer: Optional[str] = None
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge: the policy's rollout engine answers a judging prompt per sample, parsed to a score."""
+
+    enable: bool = False
+    # {question}, {response} and {reference} are filled in (str.format); the judge answers after it
+    prompt_template: str = ("Question: {question}\nReference answer: {reference}\nResponse: {response}\n"
+                            "Rate the response from 0 to 10. Answer as 'Score: <number>'.\n")
+    score_pattern: str = r"[Ss]core\s*[:=]\s*(-?\d+(?:\.\d+)?)"  # the first group is the score
+    score_scale: float = 0.1  # the parsed number times this is the judge's score (0-10 -> 0-1)
+    max_tokens: int = 16  # the judgement's length
+    temperature: float = 0.0  # greedy
+    weight: float = 1.0  # its share of the combined score
+    on_unparsable: str = "zero"  # zero (score 0, counted) | fail
+
+
+@dataclass
 class RewardConfig:
+    # --- the model-based reward (verl's reward_model.* keys where verl has them)
+    enable: bool = False  # a reward model worker group scores every sample
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    micro_batch_size_per_gpu: int = 8
+    use_dynamic_bsz: bool = False  # micro-batches by token budget (packed sequences) instead of rows
+    forward_max_token_len_per_gpu: int = 16384  # that budget
+    max_length: Optional[int] = None  # reward-model input tokens; longer inputs lose their start (left-truncated)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # its layout; param_offload between scorings
+    enable_resource_pool: bool = False  # own GPUs (nnodes x n_gpus_per_node) instead of the actor's
+    n_gpus_per_node: int = 0
+    nnodes: int = 0
+    rm_weight: float = 1.0  # combined score = rm_weight * RM + function_weight * function (+ judge.weight * judge)
+    function_weight: float = 0.0  # the reward functions / remote service (reward_manager); 0: not called
+    normalize_scores: bool = False  # RM scores whitened over the batch (mean 0, std 1) before clipping
+    score_clip: Optional[float] = None  # RM scores clamped to [-score_clip, score_clip]
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    # --- reward functions
     reward_manager: str = "naive"
     on_error: str = "fail"  # fail | zero
     # with on_error=zero: a batch where more than this fraction of the samples failed still fails the run

@@ -129,6 +129,61 @@ def _check_token_budgets(cfg: MegarlConfig) -> None:
             )
 
 
+def reward_model_world_size(cfg: MegarlConfig) -> int:
+    """Processes of the reward model group: its own pool, or every training process (colocated)."""
+    rm = cfg.reward_model
+    return rm.nnodes * rm.n_gpus_per_node if rm.enable_resource_pool else training_world_size(cfg)
+
+
+def _check_model_rewards(cfg: MegarlConfig) -> None:
+    """The reward model, the judge and how their scores combine with the reward functions'."""
+    import re
+
+    rm, judge = cfg.reward_model, cfg.reward_model.judge
+    if judge.enable:
+        _choice(judge.on_unparsable, ("zero", "fail"), "reward_model.judge.on_unparsable")
+        _positive(judge.max_tokens, "reward_model.judge.max_tokens")
+        if judge.temperature < 0:
+            raise ConfigError(f"reward_model.judge.temperature must be >= 0, got {judge.temperature}")
+        try:
+            judge.prompt_template.format(question="", response="", reference="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"reward_model.judge.prompt_template: only {{question}}, {{response}} and "
+                              f"{{reference}} can be filled in ({type(exc).__name__}: {exc})") from exc
+        if "{response}" not in judge.prompt_template:
+            raise ConfigError("reward_model.judge.prompt_template must contain {response}")
+        try:
+            groups = re.compile(judge.score_pattern).groups
+        except re.error as exc:
+            raise ConfigError(f"reward_model.judge.score_pattern is not a regular expression: {exc}") from exc
+        if groups < 1:
+            raise ConfigError("reward_model.judge.score_pattern needs a group around the number, e.g. "
+                              "'Score: (\\d+)'")
+    if rm.enable:
+        if not rm.model.path:
+            raise ConfigError("reward_model.enable=true needs reward_model.model.path (a HF *ForSequenceClassification "
+                              "dir with num_labels=1)")
+        if cfg.trainer.backend == "inprocess":
+            raise ConfigError("reward_model.enable=true runs a reward model worker group: it needs trainer.backend=ray")
+        _positive(rm.micro_batch_size_per_gpu, "reward_model.micro_batch_size_per_gpu")
+        _positive(rm.forward_max_token_len_per_gpu, "reward_model.forward_max_token_len_per_gpu")
+        if rm.max_length is not None:
+            _positive(rm.max_length, "reward_model.max_length")
+        if rm.score_clip is not None:
+            _positive(rm.score_clip, "reward_model.score_clip")
+        if rm.enable_resource_pool:
+            _positive(rm.nnodes, "reward_model.nnodes")
+            _positive(rm.n_gpus_per_node, "reward_model.n_gpus_per_node")
+        _check_megatron(rm.megatron, "reward_model.megatron", reward_model_world_size(cfg),
+                        cfg.actor_rollout_ref.model.layer_spec)
+    if (rm.enable or judge.enable) and rm.function_weight == 0:
+        configured = [key for key, value in (("reward_model.custom_function.path", rm.custom_function.path),
+                                             ("reward_model.remote.url", rm.remote.url)) if value]
+        if configured:
+            raise ConfigError(f"{configured[0]} is set but reward_model.function_weight=0: with a reward model or "
+                              f"judge on, the reward functions count only with a weight; set function_weight")
+
+
 def critic_enabled(cfg: MegarlConfig) -> bool:
     return bool(cfg.critic.enable)
 
@@ -182,6 +237,7 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
                 raise ConfigError(f"reward_model.remote.{name} must be >= 1, got {getattr(remote, name)}")
         if remote.timeout_s <= 0 or remote.max_retries < 0 or remote.backoff_s < 0:
             raise ConfigError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0")
+    _check_model_rewards(cfg)
     _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
     _choice(t.placement, ("colocate", "separate"), "trainer.placement")
     _choice(t.backend, ("ray", "inprocess"), "trainer.backend")

@@ -35,6 +35,7 @@ SHIPPED_FIELDS = {
     "update_actor": _MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights",
                                      "loss_mask"),
     "update_critic": _MODEL_INPUTS + ("values", "returns"),
+    "compute_rm_scores": _MODEL_INPUTS,
 }
 
 
@@ -142,6 +143,18 @@ class Critic:
         return self._group.call("load_checkpoint", path)
 
 
+class RewardModel:
+    """The model-based reward: one score per sample from the reward model group."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def score(self, batch: TrainBatch) -> torch.Tensor:
+        """Scores ``[B]`` of a batch in the reward model's tokens
+        (:class:`~megarl.rewards.model_inputs.RewardModelInputs`)."""
+        return self._group.call("compute_rm_scores", shipped(batch, "compute_rm_scores"))
+
+
 @dataclass
 class Workers:
     """The roles of a run and what :meth:`shutdown` must release."""
@@ -149,6 +162,7 @@ class Workers:
     actor: ActorRolloutRef
     rollout: Rollout
     critic: Optional[Critic] = None
+    reward_model: Optional[RewardModel] = None
     groups: list = field(default_factory=list)
     started_ray: bool = False
 
@@ -193,12 +207,14 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
     """Bring up every role of ``cfg``: ``trainer.backend=inprocess`` holds the actor in this process; ``ray``
     starts (or attaches to) a Ray cluster, reserves the pools and starts one worker per rank. On failure what
     was started is shut down again."""
+    from megarl.controller.reward_model_worker import RewardModelWorker
     from megarl.controller.rollout_worker import RolloutWorker
     from megarl.controller.worker_env import worker_env_for
     from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
 
-    t = cfg.trainer
+    t, rm = cfg.trainer, cfg.reward_model
     with_critic = bool(cfg.critic.enable)
+    rm_shares_pool = rm.enable and not rm.enable_resource_pool
     actor_kwargs: dict[str, Any] = dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg))
     critic_kwargs = dict(cfg=cfg, total_steps=total_steps)
     if t.backend == "inprocess":
@@ -231,7 +247,7 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
         train_nodes, rollout_nodes = split_nodes(cfg)
         pool = ResourcePool("train" if separate else "colocated", train_nodes, device=device,
                             cpus_per_process=per_process_cpus)
-        share = 0.5 if with_critic else 1.0
+        share = 1.0 / (1 + with_critic + rm_shares_pool)  # of each GPU bundle, per role placed on it
         timeout = t.worker_timeout_s
         env = worker_env_for(device)
         actor_group = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
@@ -254,6 +270,14 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
                                        init_timeout_s=timeout)
             workers.groups.append(critic_group)
             workers.critic = Critic(critic_group)
+        if rm.enable:
+            rm_pool = (ResourcePool("reward_model", [rm.n_gpus_per_node] * rm.nnodes, device=device,
+                                    cpus_per_process=per_process_cpus) if rm.enable_resource_pool else pool)
+            rm_group = WorkerGroup(rm_pool, RewardModelWorker, name_prefix="reward_model",
+                                   bundle_share=share if rm_shares_pool else 1.0, init_kwargs=dict(cfg=cfg), env=env,
+                                   call_timeout_s=timeout, init_timeout_s=timeout)
+            workers.groups.append(rm_group)
+            workers.reward_model = RewardModel(rm_group)
         return workers
     except BaseException:
         workers.shutdown()

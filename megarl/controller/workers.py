@@ -25,19 +25,18 @@ from typing import Optional
 import torch
 
 from megarl.batch import TrainBatch
-from megarl.config.schema import MegarlConfig, MegatronConfig
+from megarl.config.schema import MegarlConfig
 from megarl.controller.device_residency import DeviceResidency, OffloadPolicy
-from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
+from megarl.controller.dispatch import Collect, Dispatch, register
 from megarl.controller.engine_specs import (DTYPES, actor_update_arguments, ddp_config, lr_schedule,
-                                            megatron_optimizer_config, parallel_layout, transformer_overrides)
+                                            megatron_optimizer_config)
 from megarl.controller.fault_injection import kill_point
+from megarl.controller.megatron_role import MegatronRole
 from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTransport, open_weight_group
 from megarl.controller.phase_memory import PhaseMemory
 from megarl.controller.rollout_replicas import form_rollout_replicas, generate_in_replica
 from megarl.controller.rollout_worker import build_rollout_engine_for, check_rollout_tensor_parallel
-from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.engine import MicroBatching
-from megarl.engines.megatron.parallel import initialize_megatron_parallel
 from megarl.models.bridge import unwrap_model
 
 
@@ -49,56 +48,7 @@ class LogProbs:
     entropy: torch.Tensor
 
 
-class _MegatronRole:
-    """Distributed + megatron bring-up shared by the worker classes."""
-
-    def _bring_up(self, cfg: MegarlConfig, megatron: MegatronConfig, model_path: str) -> None:
-        from megarl.models.bridge import ModelBridge
-        from megarl.models.embedded import resolve_model_path
-
-        self.cfg = cfg
-        self.context = init_torch_distributed(timeout_s=cfg.trainer.worker_timeout_s)
-        self.layout = parallel_layout(megatron)
-        self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
-        self.model_path = str(resolve_model_path(model_path))
-        spec = cfg.actor_rollout_ref.model.layer_spec
-        if megatron.context_parallel_size > 1 and spec == "auto":
-            spec = "local"  # context parallelism is megarl's SDPA attention, not Transformer Engine's
-        self.bridge = ModelBridge.from_hf_config(self.model_path, spec=spec)
-        self.params_dtype = DTYPES[megatron.params_dtype]
-        self.megatron = megatron
-
-    def _new_transformer_config(self):
-        return self.bridge.transformer_config(layout=self.layout, params_dtype=self.params_dtype,
-                                              **transformer_overrides(self.megatron))
-
-    def _provider(self, config, *, tie_embeddings: Optional[bool] = None):
-        def build(pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
-            return self.bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
-                                           vp_stage=vp_stage, tie_embeddings=tie_embeddings)
-        return build
-
-    def _load_hf(self, engine) -> None:
-        from megarl.models.hf_checkpoint import load_hf_weights
-
-        load_hf_weights([unwrap_model(chunk) for chunk in engine.model], self.model_path, self.bridge)
-        if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
-            engine.optimizer.reload_model_params()
-
-    def close(self) -> None:
-        """Tear down megatron's groups and the process group (a Ray worker just exits instead)."""
-        from megarl.engines.megatron.parallel import destroy_megatron_parallel
-
-        rollout = getattr(self, "rollout", None)
-        if rollout is not None:
-            rollout.shutdown()
-        destroy_megatron_parallel()
-
-    def get_dp_info(self) -> DPInfo:
-        return DPInfo(self.rank_info.dp_rank, self.rank_info.dp_size, self.rank_info.is_collect_rank)
-
-
-class ActorRolloutRefWorker(_MegatronRole):
+class ActorRolloutRefWorker(MegatronRole):
     def __init__(self, cfg: MegarlConfig, *, total_steps: int, with_reference: bool, separate_rollout: bool = False):
         from megarl.engines.megatron.actor import ActorEngine, ReferenceEngine
 
@@ -265,7 +215,7 @@ class ActorRolloutRefWorker(_MegatronRole):
                             dtype=self.params_dtype, num_local_experts=self._num_local_experts()).as_metrics("hf_export")
 
 
-class CriticWorker(_MegatronRole):
+class CriticWorker(MegatronRole):
     def __init__(self, cfg: MegarlConfig, *, total_steps: int):
         from megarl.engines.megatron.critic import CriticEngine
 

@@ -23,12 +23,18 @@ Vocabulary padding: a full tensor is padded to ``padded_vocab_size(1)``; :meth:`
 to ``padded_vocab_size(tp_size)`` (zero rows) and :meth:`merge_tp` trims back. With tied embeddings there
 is no global ``output_layer.weight``; the last pipeline stage's local copy maps to the embedding.
 
+Reward models: a ``<Arch>ForSequenceClassification`` config with one label (``num_labels=1``) gets the bridge
+of ``<Arch>ForCausalLM`` with ``head="score"``: the same decoder, and ``output_layer.weight`` is HF's
+``score.weight`` (``[1, hidden]``, replicated over TP, never tied) instead of the vocabulary projection. The
+engine that uses it swaps the output layer for a scalar head (:mod:`megarl.engines.megatron.reward_model`).
+
 Left out: loading files (:mod:`megarl.models.hf_checkpoint`), MTP layers (skipped, with a log line),
 context-parallel specifics (CP does not change parameter layout).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any, Iterator, Optional, Sequence
@@ -44,6 +50,9 @@ from megarl.models.weight_mapping import ParamRule, fuse_qkv, merge_shards, pad_
 logger = logging.getLogger(__name__)
 
 SPEC_CHOICES = ("auto", "local", "te")
+HEAD_CHOICES = ("lm", "score")  # the vocabulary projection (lm_head) or a reward model's scalar score
+SCORE_HEAD_HF_NAME = "score.weight"
+_CLASSIFIER_SUFFIX = "ForSequenceClassification"
 CORE_ATTENTION_CHOICES = ("sdpa", "local")
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -68,19 +77,26 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
 
 class ModelBridge:
     def __init__(self, hf_config: Any, architecture: Architecture, *, spec: str, expert_layout: str,
-                 make_vocab_size_divisible_by: int = 128, core_attention: str = "sdpa"):
+                 make_vocab_size_divisible_by: int = 128, core_attention: str = "sdpa", head: str = "lm"):
         if core_attention not in CORE_ATTENTION_CHOICES:
             raise ValueError(f"core_attention must be one of {CORE_ATTENTION_CHOICES}, got {core_attention!r}")
+        if head not in HEAD_CHOICES:
+            raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
         self.hf_config = hf_config
         self.architecture = architecture
         self.spec = spec
         self.core_attention = core_attention
         self.expert_layout = expert_layout
         self.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+        self.head = head
         self.dims: DecoderDims = architecture.read_dims(hf_config)
-        self._rules: dict[str, ParamRule] = {
-            rule.mcore_name: rule for rule in build_param_rules(self.dims, spec=spec, expert_layout=expert_layout)
-        }
+        if head == "score":  # a classifier has no vocabulary projection to tie to the embedding
+            self.dims = dataclasses.replace(self.dims, tied_embeddings=False)
+        rules = build_param_rules(self.dims, spec=spec, expert_layout=expert_layout)
+        if head == "score":
+            rules = [ParamRule("output_layer.weight", (SCORE_HEAD_HF_NAME,)) if rule.mcore_name == "output_layer.weight"
+                     else rule for rule in rules]
+        self._rules: dict[str, ParamRule] = {rule.mcore_name: rule for rule in rules}
         self._hf_to_mcore_name = {hf: rule.mcore_name for rule in self._rules.values() for hf in rule.hf_names}
         mtp = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
         if mtp:
@@ -102,12 +118,21 @@ class ModelBridge:
         config = load_hf_config(hf_config)
         resolved = spec if spec != "auto" else ("te" if transformer_engine_available() else "local")
         layout = expert_layout or ("grouped" if resolved == "te" else "sequential")
-        return cls(config, architecture_for(architecture_name(config)), spec=resolved, expert_layout=layout,
-                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, core_attention=core_attention)
+        name, head = architecture_name(config), "lm"
+        if name.endswith(_CLASSIFIER_SUFFIX):
+            num_labels = getattr(config, "num_labels", None)
+            if num_labels != 1:
+                raise ValueError(f"{name} with num_labels={num_labels}: a reward model scores with one label "
+                                 f"(num_labels=1)")
+            name, head = name[: -len(_CLASSIFIER_SUFFIX)] + "ForCausalLM", "score"
+        return cls(config, architecture_for(name), spec=resolved, expert_layout=layout,
+                   make_vocab_size_divisible_by=make_vocab_size_divisible_by, core_attention=core_attention,
+                   head=head)
 
     @property
     def hf_architecture(self) -> str:
-        return self.architecture.hf_architecture
+        name = self.architecture.hf_architecture
+        return name[: -len("ForCausalLM")] + _CLASSIFIER_SUFFIX if self.head == "score" else name
 
     @property
     def tied_embeddings(self) -> bool:

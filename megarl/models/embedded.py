@@ -27,17 +27,21 @@ EMBEDDED_FORMAT = "v2"
 _BUILD_LOCK = threading.Lock()
 
 # Shapes chosen for CPU: head_dim 64 because vLLM's CPU attention refuses 16; 2 kv heads so TP=2 divides them.
+_TINY_QWEN2_SHAPE = dict(
+    hidden_size=128,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_hidden_layers=2,
+    intermediate_size=256,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+)
 _EMBEDDED_SPECS = {
-    "tiny-qwen2": dict(
-        hidden_size=128,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-    ),
+    "tiny-qwen2": _TINY_QWEN2_SHAPE,
+    # A reward model for the demo and tests: a Qwen2ForSequenceClassification (one label) of the same shape over
+    # the same character tokenizer, random init like the policy (what it prefers is arbitrary but fixed).
+    "tiny-qwen2-rm": dict(_TINY_QWEN2_SHAPE, head="score"),
 }
 
 
@@ -108,8 +112,10 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     # Imported here: torch/transformers are heavy and only needed when a model is actually built.
     import torch
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+    spec = dict(spec)
+    classifier = spec.pop("head", "lm") == "score"
     tokenizer = build_char_tokenizer()
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
@@ -124,13 +130,14 @@ def _write_model_dir(out: Path, spec: dict) -> None:
         pad_token_id=pad_id,
         dtype="float32",
         # vLLM picks the model class from this field; a bare config.save_pretrained does not fill it in.
-        architectures=["Qwen2ForCausalLM"],
+        architectures=["Qwen2ForSequenceClassification" if classifier else "Qwen2ForCausalLM"],
+        **({"num_labels": 1} if classifier else {}),
         **spec,
     )
     # fork_rng keeps the caller's global RNG stream untouched by our fixed seed.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(EMBEDDED_SEED)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        torch.manual_seed(EMBEDDED_SEED + int(classifier))
+        model = (Qwen2ForSequenceClassification if classifier else Qwen2ForCausalLM)(config).to(torch.float32)
     config.save_pretrained(out)
     # save_file directly (no tied weights to dedupe): quiet, one file, the metadata HF loaders check for.
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}

@@ -3,7 +3,8 @@
 ``tiny_hf_config(arch)`` gives an fp32 config (2-3 layers, hidden 64, GQA with fewer query groups than
 heads, vocab 250 so megatron pads it, MoE with 4 experts top-2, DeepSeek with 1 dense + 2 MoE layers,
 a shared expert, small q/kv LoRA ranks and YaRN RoPE). ``save_tiny_hf_checkpoint`` writes it with
-transformers' ``save_pretrained`` into several safetensors shards plus the index json.
+transformers' ``save_pretrained`` into several safetensors shards plus the index json;
+``save_tiny_reward_model`` writes the same decoder as a ``*ForSequenceClassification`` with one label.
 Left out: tokenizers (see :mod:`megarl.data.tokenizer`) and any trained weights.
 """
 
@@ -82,4 +83,28 @@ def save_tiny_hf_checkpoint(arch: str, out_dir: str | os.PathLike, *, seed: int,
     model = build_tiny_hf_model(arch, seed=seed, **overrides)
     out_dir = os.fspath(out_dir)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    return out_dir
+
+
+def save_tiny_reward_model(arch: str, out_dir: str | os.PathLike, *, seed: int, max_shard_size: str = "60KB",
+                           **overrides: Any) -> str:
+    """A random-init ``<Arch>ForSequenceClassification`` (num_labels=1) of the tiny config, norms perturbed and
+    the score head drawn at the scale of the other weights (so scores differ visibly between sequences)."""
+    import transformers
+
+    causal = tiny_hf_config_dict(arch)["architectures"][0]
+    config = tiny_hf_config(arch, architectures=[causal.replace("ForCausalLM", "ForSequenceClassification")],
+                            num_labels=1, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name == "score.weight":
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+    out_dir = os.fspath(out_dir)
+    model.eval().save_pretrained(out_dir, max_shard_size=max_shard_size)
     return out_dir

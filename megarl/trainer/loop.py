@@ -31,7 +31,8 @@ from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import place_scores_on_last_token
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
-from megarl.trainer.rollout_assembly import assemble_rollout_batch, score_rollout, unpadded_prompts
+from megarl.trainer.rollout_assembly import assemble_rollout_batch, unpadded_prompts
+from megarl.trainer.scoring import SampleScorer
 
 
 @dataclass
@@ -47,14 +48,14 @@ def build_kl_controller(cfg: MegarlConfig):
 
 
 class RLTrainer:
-    def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, reward_manager,
+    def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, scorer: SampleScorer,
                  actor: ActorRolloutRef, rollout: Rollout, critic: Optional[Critic] = None, logger: MetricsLogger,
                  checkpoints: CheckpointManager, total_steps: int, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_loader = train_loader
         self.val_dataset = val_dataset
-        self.reward_manager = reward_manager
+        self.scorer = scorer  # every reward source, combined (rule/function, reward model, judge)
         self.actor = actor
         self.critic = critic
         self.rollout = rollout  # separate placement: the rollout workers; else the hybrid actor group
@@ -190,7 +191,7 @@ class RLTrainer:
     def score_for_training(self, batch: TrainBatch) -> tuple[torch.Tensor, dict]:
         """Sequence scores (with the overlong penalty when configured), also set as the batch's
         token-level scores."""
-        batch.token_level_scores, scores, reward_metrics = score_rollout(self.reward_manager, self.tokenizer, batch)
+        batch.token_level_scores, scores, reward_metrics = self.scorer.score(batch)
         overlong = self.cfg.reward_model.overlong_buffer
         if overlong.enable:
             penalty = overlong_penalty(batch.response_lengths, max_response_length=self.cfg.data.max_response_length,
@@ -228,7 +229,7 @@ class RLTrainer:
             max_prompt_length=self.cfg.data.max_prompt_length, max_response_length=self.cfg.data.max_response_length,
             pad_token_id=self.tokenizer.pad_token_id, data_sources=prompts.data_sources,
             ground_truths=prompts.ground_truths, extra_infos=prompts.extra_infos,
-            rollout_log_probs=log_probs if have_log_probs else None,
+            rollout_log_probs=log_probs if have_log_probs else None, raw_prompts=prompts.raw_prompts,
         )
 
     def correct_for_rollout_mismatch(self, batch: TrainBatch) -> dict[str, float]:
@@ -280,8 +281,9 @@ class RLTrainer:
             group_ids=[batch.group_ids[r] for r in rows], max_prompt_length=batch.prompt_ids.shape[1],
             max_response_length=batch.response_ids.shape[1], pad_token_id=self.tokenizer.pad_token_id,
             data_sources=[batch.data_sources[r] for r in rows], ground_truths=[batch.ground_truths[r] for r in rows],
-            extra_infos=[batch.extra_infos[r] for r in rows])
-        _, greedy_scores, _ = score_rollout(self.reward_manager, self.tokenizer, greedy_batch)
+            extra_infos=[batch.extra_infos[r] for r in rows],
+            raw_prompts=[batch.raw_prompts[r] for r in rows] if batch.raw_prompts else ())
+        _, greedy_scores, _ = self.scorer.score(greedy_batch)
         by_group = dict(zip(greedy_batch.group_ids, greedy_scores.tolist()))
         return torch.tensor([by_group[g] for g in batch.group_ids], dtype=torch.float32)
 
@@ -292,7 +294,7 @@ class RLTrainer:
         self.actor.for_generation()
         for prompts in iter_in_order(self.val_dataset, self.cfg.data.val_batch_size, self.tokenizer.pad_token_id):
             rollout = self.generate(prompts, self.val_sampling())
-            _, scores, _ = score_rollout(self.reward_manager, self.tokenizer, rollout)
+            _, scores, _ = self.scorer.score(rollout)
             for source, score in zip(rollout.data_sources, scores.tolist()):
                 totals.setdefault(source, []).append(score)
         every = [s for values in totals.values() for s in values]

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 from megarl.config import MegarlConfig, load_config, save_config
 from megarl.config.paths import with_absolute_paths
 from megarl.trainer.loop import RLTrainer
+from megarl.trainer.scoring import SampleScorer
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.stop_signals import StopSignals
 
@@ -56,6 +57,23 @@ def build_reward_manager(cfg: MegarlConfig):
                          max_error_fraction=cfg.reward_model.max_error_fraction, remote=remote)
 
 
+def build_rm_inputs(cfg: MegarlConfig, policy_tokenizer):
+    """The reward model's input builder (its own tokenizer), or None without a reward model."""
+    from transformers import AutoTokenizer
+
+    from megarl.models.embedded import resolve_model_path
+    from megarl.rewards.model_inputs import RewardModelInputs
+
+    rm = cfg.reward_model
+    if not rm.enable:
+        return None
+    rm_tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(rm.model.path)))
+    if rm.model.input_tokenizer:  # verl's switch: decode with this tokenizer, re-tokenize with the RM's template
+        policy_tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(rm.model.input_tokenizer)))
+    return RewardModelInputs(policy_tokenizer, rm_tokenizer, max_length=rm.max_length,
+                             retokenize=True if rm.model.input_tokenizer else None)
+
+
 def run(cfg: MegarlConfig) -> list[dict]:
     """Train to the end of ``cfg``; returns the per-step metric history."""
     from transformers import AutoTokenizer
@@ -81,8 +99,10 @@ def run(cfg: MegarlConfig) -> list[dict]:
         save_config(cfg, out_dir / "config.yaml")
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
+        scorer = SampleScorer(cfg, tokenizer=tokenizer, reward_manager=reward_manager, rollout=workers.rollout,
+                              reward_model=workers.reward_model, rm_inputs=build_rm_inputs(cfg, tokenizer))
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
-                            reward_manager=reward_manager, actor=workers.actor, critic=workers.critic,
+                            scorer=scorer, actor=workers.actor, critic=workers.critic,
                             rollout=workers.rollout, logger=logger,
                             checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
                             total_steps=total_steps, stop_requested=lambda: stop.requested)

@@ -1,9 +1,8 @@
-"""Turn sampled token ids into a fixed-width :class:`RolloutBatch`, and score it with the reward manager.
+"""Turn sampled token ids into a fixed-width :class:`RolloutBatch`, and decode its rows to text.
 
 Rows are padded to the configured ``max_prompt_length`` / ``max_response_length`` (not to the batch
-maximum) so that batches from different ranks and steps concatenate without re-padding. The reward step
-decodes responses and puts each sequence score on its last response token. Pure functions: no Ray,
-no engines.
+maximum) so that batches from different ranks and steps concatenate without re-padding. Scoring is
+:mod:`megarl.trainer.scoring`'s. Pure functions: no Ray, no engines.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from typing import Sequence
 import torch
 
 from megarl.batch import RolloutBatch
-from megarl.rewards import RewardManager, place_scores_on_last_token
 
 
 def unpadded_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
@@ -33,6 +31,7 @@ def assemble_rollout_batch(
     ground_truths: Sequence = (),
     extra_infos: Sequence = (),
     rollout_log_probs: Sequence[Sequence[float]] | None = None,
+    raw_prompts: Sequence = (),
 ) -> RolloutBatch:
     """One row per response; ``prompt_index[i]`` says which prompt response ``i`` answers."""
     rows = len(responses)
@@ -65,21 +64,10 @@ def assemble_rollout_batch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
         group_ids=[group_ids[i] for i in prompt_index], data_sources=per_row(data_sources),
         ground_truths=per_row(ground_truths), extra_infos=per_row(extra_infos), rollout_log_probs=log_probs,
+        raw_prompts=per_row(raw_prompts),
     )
 
 
 def decode_rows(tokenizer, token_ids, mask) -> list[str]:
     """The text of each row's real tokens (``mask`` 1), special tokens left out."""
     return [tokenizer.decode(ids[m.bool()].tolist(), skip_special_tokens=True) for ids, m in zip(token_ids, mask)]
-
-
-def score_rollout(reward_manager: RewardManager, tokenizer, batch: RolloutBatch):
-    """``(token_level_scores [B, R], sequence scores [B], metrics)`` for a rollout batch."""
-    texts = decode_rows(tokenizer, batch.response_ids, batch.response_mask)
-    prompts = None
-    if reward_manager.remote is not None:  # the service gets each prompt with its response
-        prompts = decode_rows(tokenizer, batch.prompt_ids, batch.prompt_mask)
-    result = reward_manager.score_batch(batch.data_sources, texts, batch.ground_truths, batch.extra_infos,
-                                        prompt_strs=prompts)
-    token_scores = place_scores_on_last_token(result.scores, batch.response_mask)
-    return token_scores, result.scores, result.metrics

@@ -30,28 +30,32 @@ _HEAD_SEED = 20240601
 class ValueHead(torch.nn.Module):
     """``hidden -> 1`` projection with the ``output_layer`` call signature GPTModel uses."""
 
-    def __init__(self, hidden_size: int, *, init_std: float, sequence_parallel: bool, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, *, init_std: float, sequence_parallel: bool, dtype: torch.dtype,
+                 bias: bool = True):
         super().__init__()
         generator = torch.Generator().manual_seed(_HEAD_SEED)
         self.weight = torch.nn.Parameter((torch.randn(1, hidden_size, generator=generator) * init_std).to(dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype)) if bias else None
         for param in (self.weight, self.bias):
-            param.sequence_parallel = sequence_parallel
+            if param is not None:
+                param.sequence_parallel = sequence_parallel
         self.sequence_parallel = False  # GPTModel's inference path reads this attribute
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def attach_value_head(module: torch.nn.Module, post_process: bool) -> None:
+def attach_value_head(module: torch.nn.Module, post_process: bool, *, bias: bool = True) -> None:
+    """Replace the last stage's vocabulary projection with a :class:`ValueHead` (``bias=False``: a reward
+    model's ``score`` projection, which has none)."""
     if not post_process:
         return
     config = module.config
     if getattr(module, "share_embeddings_and_output_weights", False):
-        raise ValueError("critic model must be built with share_embeddings_and_output_weights=False")
+        raise ValueError("a scalar-head model must be built with share_embeddings_and_output_weights=False")
     module.output_layer = ValueHead(
         config.hidden_size, init_std=config.init_method_std, sequence_parallel=config.sequence_parallel,
-        dtype=config.params_dtype,
+        dtype=config.params_dtype, bias=bias,
     )
 
 

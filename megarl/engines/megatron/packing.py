@@ -110,6 +110,8 @@ def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device) 
         "response_ids": batch.response_ids[index].to(device),
         "response_mask": batch.response_mask[index].to(device).float(),
         "prompt_len": batch.prompt_ids.shape[1],
+        # each row's last real token: prompts end at P - 1 (left padding), responses run on from P
+        "last_index": (batch.prompt_ids.shape[1] - 1 + batch.response_mask[index].sum(dim=1)).to(device),
     }
     mb.update(_per_token_fields(batch, index, fields, device))
     return mb
@@ -138,8 +140,9 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
     """The packed (``thd``) layout of ``rows``; ``T`` is ``pad_to`` if given, else the real token count
     rounded up to ``multiple_of``. ``segment_multiple_of`` pads each row at its end (context parallelism
     cuts every segment into ``2 * cp`` chunks); the padding follows the row's real tokens, so no real
-    token attends to it. Adds ``packed_seq_params`` and ``response_index`` (the stream position of the
-    logit that predicts each real response token, in row-major order of ``response_mask``)."""
+    token attends to it. Adds ``packed_seq_params``, ``response_index`` (the stream position of the
+    logit that predicts each real response token, in row-major order of ``response_mask``) and ``last_index``
+    (the stream position of each row's last real token, where a reward model reads its score)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     index = torch.as_tensor(rows, dtype=torch.long)
@@ -171,6 +174,7 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
     offsets = cu_seqlens[:-1][: len(rows)].long() + prompt_real - 1
     grid = offsets[:, None] + torch.arange(response_mask.shape[1])[None, :]
     response_index = grid[response_mask.bool()]
+    last_index = offsets + response_mask.sum(dim=1)  # each segment's last real token (before its padding)
 
     max_len = max(seq_lens)
     cu_seqlens = cu_seqlens.to(device)  # one tensor for q and kv: attention can tell they agree by identity
@@ -184,6 +188,7 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
             max_seqlen_q=max_len, max_seqlen_kv=max_len,
         ),
         "response_index": response_index.to(device),
+        "last_index": last_index.to(device),
         "response_ids": batch.response_ids[index].to(device),
         "response_mask": response_mask.to(device).float(),
         "prompt_len": batch.prompt_ids.shape[1],
@@ -233,6 +238,15 @@ def shard_for_context_parallel(mb: dict, cp_size: int, cp_rank: int) -> dict:
     if mb.get("packed_seq_params") is None:
         out["attention_mask"] = mask.index_select(2, local)
     return out
+
+
+def last_token_values(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
+    """``[b, ...]``: each row's value at its last real token (prompt + response), from the last stage's
+    per-position output of the whole sequence (``[b, S, ...]`` padded, ``[1, T, ...]`` packed)."""
+    index = mb["last_index"]
+    if mb.get("packed_seq_params") is not None:
+        return per_position[0].index_select(0, index)
+    return per_position[torch.arange(index.shape[0], device=index.device), index]
 
 
 def scatter_to_rows(values: torch.Tensor, mb: dict) -> torch.Tensor:

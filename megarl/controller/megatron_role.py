@@ -1,0 +1,62 @@
+"""What every Megatron worker class shares: joining torch.distributed and megatron's groups, the model bridge,
+the transformer config and model provider for the role's layout, loading HF weights, tear-down."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from megarl.config.schema import MegarlConfig, MegatronConfig
+from megarl.controller.dispatch import DPInfo
+from megarl.controller.engine_specs import DTYPES, parallel_layout, transformer_overrides
+from megarl.controller.worker_env import init_torch_distributed
+from megarl.engines.megatron.parallel import initialize_megatron_parallel
+from megarl.models.bridge import unwrap_model
+
+
+class MegatronRole:
+    """Distributed + megatron bring-up shared by the worker classes."""
+
+    def _bring_up(self, cfg: MegarlConfig, megatron: MegatronConfig, model_path: str) -> None:
+        from megarl.models.bridge import ModelBridge
+        from megarl.models.embedded import resolve_model_path
+
+        self.cfg = cfg
+        self.context = init_torch_distributed(timeout_s=cfg.trainer.worker_timeout_s)
+        self.layout = parallel_layout(megatron)
+        self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
+        self.model_path = str(resolve_model_path(model_path))
+        spec = cfg.actor_rollout_ref.model.layer_spec
+        if megatron.context_parallel_size > 1 and spec == "auto":
+            spec = "local"  # context parallelism is megarl's SDPA attention, not Transformer Engine's
+        self.bridge = ModelBridge.from_hf_config(self.model_path, spec=spec)
+        self.params_dtype = DTYPES[megatron.params_dtype]
+        self.megatron = megatron
+
+    def _new_transformer_config(self):
+        return self.bridge.transformer_config(layout=self.layout, params_dtype=self.params_dtype,
+                                              **transformer_overrides(self.megatron))
+
+    def _provider(self, config, *, tie_embeddings: Optional[bool] = None):
+        def build(pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
+            return self.bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
+                                           vp_stage=vp_stage, tie_embeddings=tie_embeddings)
+        return build
+
+    def _load_hf(self, engine) -> None:
+        from megarl.models.hf_checkpoint import load_hf_weights
+
+        load_hf_weights([unwrap_model(chunk) for chunk in engine.model], self.model_path, self.bridge)
+        if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
+            engine.optimizer.reload_model_params()
+
+    def close(self) -> None:
+        """Tear down megatron's groups and the process group (a Ray worker just exits instead)."""
+        from megarl.engines.megatron.parallel import destroy_megatron_parallel
+
+        rollout = getattr(self, "rollout", None)
+        if rollout is not None:
+            rollout.shutdown()
+        destroy_megatron_parallel()
+
+    def get_dp_info(self) -> DPInfo:
+        return DPInfo(self.rank_info.dp_rank, self.rank_info.dp_size, self.rank_info.is_collect_rank)
