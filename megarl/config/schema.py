@@ -316,6 +316,18 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """Overlap of rollout and training (needs trainer.placement=separate).
+
+    ``one_step_off``: the rollout workers generate the batch of step k+1, with the weights before step k's
+    update, while the actor trains on step k; the weights reach them between two generations. Every batch is
+    then exactly one update older than the policy that trains on it (``rollout/weight_lag``); pair it with
+    ``algorithm.rollout_correction`` to correct for that."""
+
+    mode: str = "sync"  # sync | one_step_off
+
+
+@dataclass
 class MegarlConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -323,3 +335,4 @@ class MegarlConfig:
     reward_model: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)

@@ -184,6 +184,23 @@ def _check_model_rewards(cfg: MegarlConfig) -> None:
                               f"judge on, the reward functions count only with a weight; set function_weight")
 
 
+def _check_async_training(cfg: MegarlConfig) -> None:
+    mode = cfg.async_training.mode
+    _choice(mode, ("sync", "one_step_off"), "async_training.mode")
+    if mode == "sync":
+        return
+    needs = {"trainer.placement=separate (the rollout needs devices of its own to overlap with training)":
+             cfg.trainer.placement == "separate",
+             "trainer.backend=ray": cfg.trainer.backend == "ray",
+             "algorithm.filter_groups.enable=false (its extra generation rounds wait for the policy)":
+             not cfg.algorithm.filter_groups.enable,
+             "an estimator other than remax (its greedy baseline is generated with the current policy)":
+             cfg.algorithm.adv_estimator != "remax"}
+    for need, met in needs.items():
+        if not met:
+            raise ConfigError(f"async_training.mode={mode} needs {need}")
+
+
 def critic_enabled(cfg: MegarlConfig) -> bool:
     return bool(cfg.critic.enable)
 
@@ -238,6 +255,7 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
         if remote.timeout_s <= 0 or remote.max_retries < 0 or remote.backoff_s < 0:
             raise ConfigError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0")
     _check_model_rewards(cfg)
+    _check_async_training(cfg)
     _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
     _choice(t.placement, ("colocate", "separate"), "trainer.placement")
     _choice(t.backend, ("ray", "inprocess"), "trainer.backend")

@@ -57,6 +57,10 @@ class InProcessWorkerGroup:
         result = getattr(self.worker, method_name)(*rank_args, **rank_kwargs)
         return collect_results(spec.collect, [result], layout=self._layout, method_name=method_name)
 
+    def call_async(self, method_name: str, *args: Any, **kwargs: Any) -> "CompletedCall":
+        """:meth:`call`, run now (one process has nothing to overlap with); ``.get()`` returns its result."""
+        return CompletedCall(self.call(method_name, *args, **kwargs))
+
     def shutdown(self) -> None:
         """Release what the worker holds, including torch.distributed, so another run can start here."""
         if self.worker is not None and hasattr(self.worker, "close"):
@@ -71,3 +75,13 @@ class InProcessWorkerGroup:
             else:
                 os.environ[key] = value
         self._saved_env = {}
+
+
+class CompletedCall:
+    """The in-process group's answer to ``call_async``: already done."""
+
+    def __init__(self, result: Any):
+        self._result = result
+
+    def get(self) -> Any:
+        return self._result

@@ -59,6 +59,23 @@ def split_evenly(items: list, parts: int) -> list[list]:
     return out
 
 
+class PendingGeneration:
+    """A generation running on the rollout ranks; :meth:`result` waits for it (once) and maps the answers back
+    to the caller's prompt order."""
+
+    def __init__(self, chunks: list[list[int]], call):
+        self._chunks, self._call = chunks, call
+        self._outputs: Optional[list[RolloutOutput]] = None
+
+    def result(self) -> list[RolloutOutput]:
+        if self._outputs is None:
+            per_rank = self._call.get()
+            self._outputs = [replace(out, prompt_index=chunk[out.prompt_index])
+                             for chunk, outputs in zip(self._chunks, per_rank) for out in outputs]
+            self._call = None
+        return self._outputs
+
+
 class Rollout:
     """Generation: the hybrid actor group (colocated) or the rollout workers (separate placement)."""
 
@@ -68,12 +85,16 @@ class Rollout:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
         """Every prompt's ``sampling.n`` responses; ``prompt_index`` indexes ``prompts``. The prompts are split
         evenly over the ranks, in order."""
+        return self.generate_async(prompts, sampling).result()
+
+    def generate_async(self, prompts: list[list[int]], sampling: SamplingConfig) -> PendingGeneration:
+        """:meth:`generate` started on the ranks without waiting (the Ray backend; the in-process group
+        generates at once)."""
         world = self._group.world_size
         chunks = split_evenly(list(range(len(prompts))), world)
-        per_rank = self._group.call("generate", [[prompts[i] for i in chunk] for chunk in chunks],
-                                    [sampling] * world)
-        return [replace(out, prompt_index=chunk[out.prompt_index])
-                for chunk, outputs in zip(chunks, per_rank) for out in outputs]
+        call = self._group.call_async("generate", [[prompts[i] for i in chunk] for chunk in chunks],
+                                      [sampling] * world)
+        return PendingGeneration(chunks, call)
 
 
 class ActorRolloutRef:

@@ -2,10 +2,11 @@
 -> critic/actor update -> weight sync, with validation, checkpoints and metrics around it.
 
 Everything heavy happens in the worker groups (Megatron engines, rollout engine); this file only decides
-what happens in which order and moves small batches between them. It simplifies on purpose: one
-synchronous step at a time (no rollout/train overlap, no partial rollouts); the actor group holds the
-reference and, colocated, the rollout replicas (the hybrid engine), or a separate rollout group serves
-generation; an optional critic group.
+what happens in which order and moves small batches between them. One step at a time, synchronous, or with
+``async_training.mode=one_step_off`` (separate placement) the next step's generation running on the rollout
+workers while this step trains, its weights one update old (no partial rollouts, no buffer of several
+batches); the actor group holds the reference and, colocated, the rollout replicas (the hybrid engine), or a
+separate rollout group serves generation; optional critic and reward model groups.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ class TrainerState:
     step: int = 0
 
 
+class Generation:
+    """A generation in flight on the rollout ranks (or done: a resumed in-flight batch); ``weights`` is the step
+    whose update generated it."""
+
+    def __init__(self, *, weights: int, pending=None, assemble=None, batch: Optional[RolloutBatch] = None):
+        self.weights, self._pending, self._assemble, self._batch = weights, pending, assemble, batch
+
+    def wait(self) -> RolloutBatch:
+        if self._batch is None:
+            self._batch = self._assemble(self._pending.result())
+            self._pending = self._assemble = None
+        return self._batch
+
+
 def build_kl_controller(cfg: MegarlConfig):
     ctrl = cfg.algorithm.kl_ctrl
     if ctrl.type == "adaptive":
@@ -71,6 +86,10 @@ class RLTrainer:
         rs_thresholds(rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
         self.state = TrainerState()
         self.history: list[dict] = []
+        # async_training.mode=one_step_off: the next step's generation, started before this step trains
+        self.one_step_off = cfg.async_training.mode == "one_step_off"
+        self.in_flight: Optional[Generation] = None
+        self.rollout_weights = 0  # the step whose update the rollout engines' weights are (0: the initial ones)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
@@ -116,6 +135,9 @@ class RLTrainer:
             if cfg.algorithm.adv_estimator == "remax":  # still a generation phase: before training takes the device
                 with timed("gen_baseline", metrics):
                     baseline = self.greedy_baseline_scores(batch)
+            if self.one_step_off and step < self.total_steps:
+                # the rollout workers generate the next batch, with the weights they hold, while this one trains
+                self.in_flight = self.start_generation(self.train_loader.next_batch(), self.train_sampling(step + 1))
             with timed("old_log_prob", metrics):
                 self.actor.for_training()
                 actor_out = self.actor.compute_log_probs(batch)
@@ -135,9 +157,13 @@ class RLTrainer:
                     metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch).items()})
             with timed("update_actor", metrics):
                 metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
+            if self.in_flight is not None:
+                with timed("wait_rollout", metrics):  # the weights go in between two generations
+                    self.in_flight.wait()
             with timed("weight_sync", metrics):
                 self.actor.for_weight_sync()
                 metrics.update(self.actor.sync_weights())
+            self.rollout_weights = step
         metrics.update(reward_metrics)
         metrics.update(batch_metrics(batch, scores, entropy))
         tokens = float(batch.attention_mask.sum())
@@ -158,10 +184,16 @@ class RLTrainer:
         reward_metrics: dict = {}
         generated_groups = kept_groups = 0
         for round_index in range(filtering.max_num_gen_batches or 2**31):
-            prompts = self.train_loader.next_batch()
             with timed("gen", metrics):
-                self.actor.for_generation()
-                rollout = self.generate(prompts, self.train_sampling(step, round_index))
+                if self.in_flight is not None:  # one-step-off: it ran while the previous step trained
+                    generation, self.in_flight = self.in_flight, None
+                else:
+                    self.actor.for_generation()
+                    generation = self.start_generation(self.train_loader.next_batch(),
+                                                       self.train_sampling(step, round_index))
+                rollout = generation.wait()
+            # how many updates the policy that trains on this batch is ahead of the one that generated it
+            metrics["rollout/weight_lag"] = float(step - 1 - generation.weights)
             batch = TrainBatch.from_rollout(rollout)
             with timed("reward", metrics):
                 scores, round_metrics = self.score_for_training(batch)
@@ -218,8 +250,15 @@ class RLTrainer:
                               max_tokens=self.cfg.data.max_response_length, seed=self.cfg.trainer.seed)
 
     def generate(self, prompts, sampling: SamplingConfig) -> RolloutBatch:
+        return self.start_generation(prompts, sampling).wait()
+
+    def start_generation(self, prompts, sampling: SamplingConfig) -> "Generation":
+        """Generation of ``prompts`` started on the rollout ranks; ``.wait()`` gives its :class:`RolloutBatch`."""
         prompt_ids = unpadded_prompts(prompts.input_ids, prompts.attention_mask)
-        outputs = self.rollout.generate(prompt_ids, sampling)
+        return Generation(pending=self.rollout.generate_async(prompt_ids, sampling), weights=self.rollout_weights,
+                          assemble=lambda outputs: self.assemble(prompts, prompt_ids, outputs))
+
+    def assemble(self, prompts, prompt_ids: list[list[int]], outputs) -> RolloutBatch:
         log_probs = [out.log_probs for out in outputs]
         have_log_probs = all(lp is not None for lp in log_probs)
         return assemble_rollout_batch(
@@ -314,6 +353,9 @@ class RLTrainer:
                 self.actor.save_hf(str(staging / "actor_hf"))
             if self.critic is not None:
                 self.critic.save(str(staging / "critic"))
+            if self.in_flight is not None:  # one-step-off: the next step's batch, generated already
+                torch.save({"batch": self.in_flight.wait(), "weights": self.in_flight.weights},
+                           staging / IN_FLIGHT_FILE)
         except BaseException as error:  # torch's CheckpointException derives from BaseException
             if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
                 raise
@@ -350,7 +392,14 @@ class RLTrainer:
         self.logger.forget_after(self.state.step)  # steps past the checkpoint are trained (and logged) again
         self.actor.for_weight_sync()
         self.actor.sync_weights()  # the rollout engine must serve the restored policy
+        self.rollout_weights = self.state.step
+        if (root / IN_FLIGHT_FILE).is_file():  # the batch the interrupted run had generated for the next step
+            saved = torch.load(root / IN_FLIGHT_FILE, weights_only=False)
+            self.in_flight = Generation(weights=saved["weights"], batch=saved["batch"])
         print(f"resumed from {root} at step {self.state.step}", flush=True)
+
+
+IN_FLIGHT_FILE = "in_flight_rollout.pt"
 
 
 def iter_in_order(dataset, batch_size: int, pad_token_id: int):

@@ -1,0 +1,28 @@
+"""async_training config checks name the key and what it needs."""
+
+from pathlib import Path
+
+import pytest
+
+from megarl.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[3]
+SEPARATE = ["trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",
+            "async_training.mode=one_step_off"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async_training.mode=one_step_off"], r"needs trainer.placement=separate"),
+    (SEPARATE + ["algorithm.filter_groups.enable=true"], r"needs algorithm.filter_groups.enable=false"),
+    (SEPARATE + ["algorithm.adv_estimator=remax"], r"needs an estimator other than remax"),
+    (SEPARATE + ["trainer.backend=inprocess"], r"trainer.backend=inprocess runs one rank|needs trainer.backend=ray"),
+    (SEPARATE[:-1] + ["async_training.mode=fully"], r"async_training.mode='fully' is not one of sync, one_step_off"),
+])
+def test_async_training_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs" / "grpo_tiny.yaml", overrides)
+
+
+def test_one_step_off_with_separate_placement_validates():
+    cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", SEPARATE)
+    assert cfg.async_training.mode == "one_step_off"
