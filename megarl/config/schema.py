@@ -321,10 +321,20 @@ class AsyncTrainingConfig:
 
     ``one_step_off``: the rollout workers generate the batch of step k+1, with the weights before step k's
     update, while the actor trains on step k; the weights reach them between two generations. Every batch is
-    then exactly one update older than the policy that trains on it (``rollout/weight_lag``); pair it with
-    ``algorithm.rollout_correction`` to correct for that."""
+    then exactly one update older than the policy that trains on it (``rollout/weight_lag``).
+    ``fully_async``: the rollout workers generate continuously into a buffer the trainer takes batches from
+    (:mod:`megarl.trainer.rollout_producer`); weights are pushed every ``trigger_parameter_sync_step`` steps,
+    and with ``partial_rollout`` a push interrupts generations, which go on with the new weights. Pair either
+    with ``algorithm.rollout_correction`` to correct for the stale samples."""
 
-    mode: str = "sync"  # sync | one_step_off
+    mode: str = "sync"  # sync | one_step_off | fully_async
+    # fully_async: a group whose oldest token is more than this many updates behind the policy training on it
+    # is dropped (stale_policy=drop) or kept for the rollout correction to reweight (reweight)
+    max_staleness: int = 1
+    stale_policy: str = "drop"  # drop | reweight
+    trigger_parameter_sync_step: int = 1  # fully_async: push weights to the rollout every this many steps
+    partial_rollout: bool = True  # fully_async: generate in chunks, so a weight push interrupts generations
+    partial_rollout_chunk: int = 64  # tokens per response per rollout call with partial rollouts
 
 
 @dataclass

@@ -185,10 +185,23 @@ def _check_model_rewards(cfg: MegarlConfig) -> None:
 
 
 def _check_async_training(cfg: MegarlConfig) -> None:
-    mode = cfg.async_training.mode
-    _choice(mode, ("sync", "one_step_off"), "async_training.mode")
+    a = cfg.async_training
+    mode = a.mode
+    _choice(mode, ("sync", "one_step_off", "fully_async"), "async_training.mode")
     if mode == "sync":
         return
+    if mode == "fully_async":
+        _choice(a.stale_policy, ("drop", "reweight"), "async_training.stale_policy")
+        _positive(a.max_staleness, "async_training.max_staleness")
+        _positive(a.trigger_parameter_sync_step, "async_training.trigger_parameter_sync_step")
+        _positive(a.partial_rollout_chunk, "async_training.partial_rollout_chunk")
+        if a.trigger_parameter_sync_step > a.max_staleness:
+            raise ConfigError(f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step} pushes "
+                              f"weights less often than async_training.max_staleness={a.max_staleness} allows a "
+                              f"sample to lag: every sample would be too stale")
+        if a.stale_policy == "reweight" and cfg.algorithm.rollout_correction.rollout_is is None:
+            raise ConfigError("async_training.stale_policy=reweight keeps stale samples for the importance weights "
+                              "of algorithm.rollout_correction.rollout_is (token or sequence): set it")
     needs = {"trainer.placement=separate (the rollout needs devices of its own to overlap with training)":
              cfg.trainer.placement == "separate",
              "trainer.backend=ray": cfg.trainer.backend == "ray",

@@ -33,6 +33,7 @@ from megarl.rewards import place_scores_on_last_token
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
 from megarl.trainer.rollout_assembly import assemble_rollout_batch, unpadded_prompts
+from megarl.trainer.rollout_producer import RolloutProducer
 from megarl.trainer.scoring import SampleScorer
 
 
@@ -90,10 +91,22 @@ class RLTrainer:
         self.one_step_off = cfg.async_training.mode == "one_step_off"
         self.in_flight: Optional[Generation] = None
         self.rollout_weights = 0  # the step whose update the rollout engines' weights are (0: the initial ones)
+        # async_training.mode=fully_async: the rollout generates into a buffer from a thread of this process
+        self.producer = build_producer(cfg, rollout, self.train_loader) \
+            if cfg.async_training.mode == "fully_async" else None
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
         self._maybe_resume()
+        if self.producer is None:
+            return self._fit()
+        self.producer.start()
+        try:
+            return self._fit()
+        finally:
+            self.producer.stop()
+
+    def _fit(self) -> list[dict]:
         t = self.cfg.trainer
         if t.val_before_train and self.state.step == 0 and self.val_dataset is not None:
             self.logger.log(self.validate(), step=0)
@@ -157,13 +170,18 @@ class RLTrainer:
                     metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch).items()})
             with timed("update_actor", metrics):
                 metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
-            if self.in_flight is not None:
+            if self.weights_due(step):
                 with timed("wait_rollout", metrics):  # the weights go in between two generations
-                    self.in_flight.wait()
-            with timed("weight_sync", metrics):
-                self.actor.for_weight_sync()
-                metrics.update(self.actor.sync_weights())
-            self.rollout_weights = step
+                    if self.in_flight is not None:
+                        self.in_flight.wait()
+                    if self.producer is not None:
+                        self.producer.pause()
+                with timed("weight_sync", metrics):
+                    self.actor.for_weight_sync()
+                    metrics.update(self.actor.sync_weights())
+                self.rollout_weights = step
+                if self.producer is not None:
+                    self.producer.resume(version=step)
         metrics.update(reward_metrics)
         metrics.update(batch_metrics(batch, scores, entropy))
         tokens = float(batch.attention_mask.sum())
@@ -174,10 +192,29 @@ class RLTrainer:
         return metrics
 
     # ------------------------------------------------------------------ stages
+    def weights_due(self, step: int) -> bool:
+        """Whether this step ends with a weight push (fully_async: every trigger_parameter_sync_step steps)."""
+        every = self.cfg.async_training.trigger_parameter_sync_step if self.producer is not None else 1
+        return step % every == 0 or step == self.total_steps
+
+    def take_from_buffer(self, step: int, metrics: dict) -> tuple[TrainBatch, torch.Tensor, dict]:
+        """fully_async: the oldest finished groups of the producer's buffer (stale ones dropped), scored."""
+        a = self.cfg.async_training
+        with timed("gen", metrics):  # only the wait for the buffer: generation runs all the time
+            groups, async_metrics = self.producer.take(step - 1, max_staleness=a.max_staleness,
+                                                       drop_stale=a.stale_policy == "drop")
+        metrics.update(async_metrics)
+        batch = TrainBatch.from_rollout(assemble_groups(groups, self.cfg, self.tokenizer.pad_token_id))
+        with timed("reward", metrics):
+            scores, reward_metrics = self.score_for_training(batch)
+        return batch, scores, reward_metrics
+
     def sample_batch(self, step: int, metrics: dict) -> tuple[TrainBatch, torch.Tensor, dict]:
         """Generate and score ``data.train_batch_size`` prompts' responses. With dynamic sampling
         (``algorithm.filter_groups``) only groups whose scores differ are kept, and more prompts are
         generated until ``train_batch_size`` such groups are there (the first ones are used)."""
+        if self.producer is not None:
+            return self.take_from_buffer(step, metrics)
         filtering = self.cfg.algorithm.filter_groups
         wanted = self.cfg.data.train_batch_size
         kept: list[tuple[TrainBatch, torch.Tensor]] = []
@@ -356,6 +393,9 @@ class RLTrainer:
             if self.in_flight is not None:  # one-step-off: the next step's batch, generated already
                 torch.save({"batch": self.in_flight.wait(), "weights": self.in_flight.weights},
                            staging / IN_FLIGHT_FILE)
+            if self.producer is not None:  # fully_async: the buffer and the unfinished responses, held still
+                self.producer.pause()
+                torch.save(self.producer.state_dict(), staging / PRODUCER_FILE)
         except BaseException as error:  # torch's CheckpointException derives from BaseException
             if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
                 raise
@@ -370,6 +410,8 @@ class RLTrainer:
         self.checkpoints.commit(step, staging, {
             "step": step, "train_loader": self.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
         }, roles=("actor",) + (("critic",) if self.critic is not None else ()))
+        if self.producer is not None:
+            self.producer.resume()
 
     def _maybe_resume(self) -> None:
         mode = self.cfg.trainer.resume_mode
@@ -396,10 +438,37 @@ class RLTrainer:
         if (root / IN_FLIGHT_FILE).is_file():  # the batch the interrupted run had generated for the next step
             saved = torch.load(root / IN_FLIGHT_FILE, weights_only=False)
             self.in_flight = Generation(weights=saved["weights"], batch=saved["batch"])
+        if self.producer is not None and (root / PRODUCER_FILE).is_file():
+            self.producer.load_state_dict(torch.load(root / PRODUCER_FILE, weights_only=False))
+            self.producer.version = self.rollout_weights
         print(f"resumed from {root} at step {self.state.step}", flush=True)
 
 
 IN_FLIGHT_FILE = "in_flight_rollout.pt"
+PRODUCER_FILE = "rollout_buffer.pt"
+
+
+def build_producer(cfg: MegarlConfig, rollout, train_loader) -> RolloutProducer:
+    a, r = cfg.async_training, cfg.actor_rollout_ref.rollout
+    return RolloutProducer(
+        rollout=rollout, next_prompts=train_loader.next_batch,
+        sampling=SamplingConfig(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, stop=tuple(r.stop),
+                                ignore_eos=r.ignore_eos),
+        n=r.n, max_response_length=cfg.data.max_response_length, batch_groups=cfg.data.train_batch_size,
+        max_staleness=a.max_staleness, partial_rollout=a.partial_rollout, chunk_tokens=a.partial_rollout_chunk,
+        seed=cfg.trainer.seed)
+
+
+def assemble_groups(groups: list, cfg: MegarlConfig, pad_token_id: int) -> RolloutBatch:
+    """The producer's finished groups as a fixed-width rollout batch, a row per response."""
+    return assemble_rollout_batch(
+        prompts=[g.prompt_ids for g in groups], responses=[r.tokens for g in groups for r in g.requests],
+        prompt_index=[i for i, g in enumerate(groups) for _ in g.requests], group_ids=[g.group_id for g in groups],
+        max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
+        pad_token_id=pad_token_id, data_sources=[g.data_source for g in groups],
+        ground_truths=[g.ground_truth for g in groups], extra_infos=[g.extra_info for g in groups],
+        rollout_log_probs=[r.log_probs for g in groups for r in g.requests],
+        raw_prompts=[g.raw_prompt for g in groups])
 
 
 def iter_in_order(dataset, batch_size: int, pad_token_id: int):
