@@ -51,9 +51,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--response-len", type=int, default=24)
     parser.add_argument("--learning", action="store_true", help="also the recipe's own 30 steps in both modes")
     parser.add_argument("--out")
+    parser.add_argument("override", nargs="*", help="extra a.b.c=value overrides of the workload")
     args = parser.parse_args(argv)
     workload = [f"trainer.total_training_steps={args.steps}", f"data.max_response_length={args.response_len}",
-                "actor_rollout_ref.rollout.ignore_eos=true"]
+                "actor_rollout_ref.rollout.ignore_eos=true", *args.override]
     result: dict = {"workload": workload}
     for mode in MODES:
         result[mode] = steady(run_mode(mode, workload))

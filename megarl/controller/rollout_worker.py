@@ -10,6 +10,7 @@ import torch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import Collect, Dispatch, register
 from megarl.controller.engine_specs import DTYPES
+from megarl.controller.fault_injection import kill_point
 from megarl.controller.rollout_replicas import RolloutReplica, generate_in_replica
 
 
@@ -67,6 +68,7 @@ class RolloutWorker:
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
     def generate(self, prompt_token_ids: list[list[int]], sampling):
+        kill_point("rollout_generate")
         return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica)
 
     def load_weight_bucket(self, bucket) -> None:

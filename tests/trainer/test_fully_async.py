@@ -121,3 +121,22 @@ def test_fully_async_grpo_learns_within_the_staleness_bound_and_resumes_its_buff
     assert history[0]["async/staleness_max"] == 0.0 and history[0]["rollout/log_prob_diff_mean"] < 1e-4
     scores = [row["critic/score/mean"] for row in history]
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.02, scores
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_a_dead_rollout_worker_fails_the_run_fast_with_its_name(tmp_path, monkeypatch, mode):
+    """SIGKILL of the rollout worker as it starts its third generation, while the trainer trains beside it:
+    the run fails naming the rollout group and its method within seconds, no hang in the producer thread."""
+    from megarl.controller.worker_group import WorkerError
+    from megarl.trainer.main import run
+    from megarl.trainer.rollout_producer import ProducerError
+
+    monkeypatch.setenv("MEGARL_KILL_AT", "rollout_generate:3")  # the workers inherit the driver's environment
+    start = time.monotonic()
+    with pytest.raises((WorkerError, ProducerError)) as info:
+        run(_config(tmp_path, f"async_training.mode={mode}", "trainer.total_training_steps=6",
+                    "trainer.worker_timeout_s=300", "async_training.partial_rollout_chunk=2"))
+    assert time.monotonic() - start < 120, "a dead worker must not wait for a timeout"
+    error = info.value if isinstance(info.value, WorkerError) else info.value.__cause__
+    assert isinstance(error, WorkerError) and "rollout" in str(error) and "generate" in str(error), str(error)
