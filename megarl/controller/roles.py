@@ -185,12 +185,16 @@ class Workers:
     critic: Optional[Critic] = None
     reward_model: Optional[RewardModel] = None
     groups: list = field(default_factory=list)
+    pools: list = field(default_factory=list)  # their placement groups outlive the run on an attached cluster
     started_ray: bool = False
 
     def shutdown(self) -> None:
         for group in self.groups:
             group.shutdown()
         self.groups = []
+        for pool in self.pools:
+            pool.release()
+        self.pools = []
         if self.started_ray:
             from megarl.controller.ray_cluster import shutdown_ray
 
@@ -268,6 +272,7 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
         train_nodes, rollout_nodes = split_nodes(cfg)
         pool = ResourcePool("train" if separate else "colocated", train_nodes, device=device,
                             cpus_per_process=per_process_cpus)
+        workers.pools.append(pool)
         share = 1.0 / (1 + with_critic + rm_shares_pool)  # of each GPU bundle, per role placed on it
         timeout = t.worker_timeout_s
         env = worker_env_for(device)
@@ -279,6 +284,7 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
         workers.rollout = Rollout(actor_group)
         if separate:
             rollout_pool = ResourcePool("rollout", rollout_nodes, device=device, cpus_per_process=per_process_cpus)
+            workers.pools.append(rollout_pool)
             rollout_group = WorkerGroup(rollout_pool, RolloutWorker, name_prefix="rollout", init_kwargs=dict(cfg=cfg),
                                         env=env, call_timeout_s=timeout, init_timeout_s=timeout)
             workers.groups.append(rollout_group)
@@ -292,8 +298,11 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
             workers.groups.append(critic_group)
             workers.critic = Critic(critic_group)
         if rm.enable:
-            rm_pool = (ResourcePool("reward_model", [rm.n_gpus_per_node] * rm.nnodes, device=device,
-                                    cpus_per_process=per_process_cpus) if rm.enable_resource_pool else pool)
+            rm_pool = pool
+            if rm.enable_resource_pool:
+                rm_pool = ResourcePool("reward_model", [rm.n_gpus_per_node] * rm.nnodes, device=device,
+                                       cpus_per_process=per_process_cpus)
+                workers.pools.append(rm_pool)
             rm_group = WorkerGroup(rm_pool, RewardModelWorker, name_prefix="reward_model",
                                    bundle_share=share if rm_shares_pool else 1.0, init_kwargs=dict(cfg=cfg), env=env,
                                    call_timeout_s=timeout, init_timeout_s=timeout)

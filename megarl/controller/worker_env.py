@@ -84,8 +84,14 @@ def init_torch_distributed(*, backend: str | None = None, timeout_s: float = 600
 
 
 def worker_env_for(device: str) -> dict[str, str]:
-    """Environment every worker needs on ``device`` (threads: CPU workers must not oversubscribe the cores)."""
+    """Environment every worker needs on ``device`` (threads: CPU workers must not oversubscribe the cores),
+    and the driver's fault-injection point (:mod:`megarl.controller.fault_injection`), which would otherwise
+    reach only the workers of a cluster started after it was set."""
+    from megarl.controller.fault_injection import ENV as KILL_AT
+
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    if os.environ.get(KILL_AT):
+        env[KILL_AT] = os.environ[KILL_AT]
     return env

@@ -2,11 +2,12 @@
 -> critic/actor update -> weight sync, with validation, checkpoints and metrics around it.
 
 Everything heavy happens in the worker groups (Megatron engines, rollout engine); this file only decides
-what happens in which order and moves small batches between them. One step at a time, synchronous, or with
-``async_training.mode=one_step_off`` (separate placement) the next step's generation running on the rollout
-workers while this step trains, its weights one update old (no partial rollouts, no buffer of several
-batches); the actor group holds the reference and, colocated, the rollout replicas (the hybrid engine), or a
-separate rollout group serves generation; optional critic and reward model groups.
+what happens in which order and moves small batches between them. One step at a time, synchronous; or, with
+separate placement, ``async_training.mode=one_step_off`` (the next step's generation runs on the rollout
+workers while this step trains, one update old) or ``fully_async`` (a producer thread keeps them generating
+into a buffer, :mod:`megarl.trainer.rollout_producer`). The actor group holds the reference and, colocated,
+the rollout replicas (the hybrid engine), or a separate rollout group serves generation; optional critic and
+reward model groups.
 """
 
 from __future__ import annotations
@@ -171,17 +172,7 @@ class RLTrainer:
             with timed("update_actor", metrics):
                 metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
             if self.weights_due(step):
-                with timed("wait_rollout", metrics):  # the weights go in between two generations
-                    if self.in_flight is not None:
-                        self.in_flight.wait()
-                    if self.producer is not None:
-                        self.producer.pause()
-                with timed("weight_sync", metrics):
-                    self.actor.for_weight_sync()
-                    metrics.update(self.actor.sync_weights())
-                self.rollout_weights = step
-                if self.producer is not None:
-                    self.producer.resume(version=step)
+                self.push_weights(step, metrics)
         metrics.update(reward_metrics)
         metrics.update(batch_metrics(batch, scores, entropy))
         tokens = float(batch.attention_mask.sum())
@@ -196,6 +187,21 @@ class RLTrainer:
         """Whether this step ends with a weight push (fully_async: every trigger_parameter_sync_step steps)."""
         every = self.cfg.async_training.trigger_parameter_sync_step if self.producer is not None else 1
         return step % every == 0 or step == self.total_steps
+
+    def push_weights(self, step: int, metrics: dict) -> None:
+        """The updated weights into the rollout engines; with asynchronous rollout, between two generations."""
+        if self.in_flight is not None or self.producer is not None:
+            with timed("wait_rollout", metrics):
+                if self.in_flight is not None:
+                    self.in_flight.wait()
+                if self.producer is not None:
+                    self.producer.pause()
+        with timed("weight_sync", metrics):
+            self.actor.for_weight_sync()
+            metrics.update(self.actor.sync_weights())
+        self.rollout_weights = step
+        if self.producer is not None:
+            self.producer.resume(version=step)
 
     def take_from_buffer(self, step: int, metrics: dict) -> tuple[TrainBatch, torch.Tensor, dict]:
         """fully_async: the oldest finished groups of the producer's buffer (stale ones dropped), scored."""
