@@ -140,3 +140,19 @@ def test_a_dead_rollout_worker_fails_the_run_fast_with_its_name(tmp_path, monkey
     assert time.monotonic() - start < 120, "a dead worker must not wait for a timeout"
     error = info.value if isinstance(info.value, WorkerError) else info.value.__cause__
     assert isinstance(error, WorkerError) and "rollout" in str(error) and "generate" in str(error), str(error)
+
+
+@pytest.mark.timeout(600)
+def test_reweighting_keeps_stale_groups_for_the_importance_weights(tmp_path):
+    """stale_policy=reweight with weights pushed every second step: nothing is dropped, groups two updates old
+    train with the rollout correction's token importance weights."""
+    from megarl.trainer.main import run
+
+    history = run(_config(tmp_path, "trainer.total_training_steps=5", "async_training.stale_policy=reweight",
+                          "async_training.max_staleness=2", "async_training.trigger_parameter_sync_step=2",
+                          "algorithm.rollout_correction.rollout_is=token"))
+    assert all(row["async/dropped_groups"] == 0.0 for row in history)
+    assert max(row["async/staleness_max"] for row in history) >= 1.0
+    assert all("weight_sync/seconds" in row for row in history if row["step"] % 2 == 0 or row["step"] == 5)
+    assert all("weight_sync/seconds" not in row for row in history if row["step"] in (1, 3))
+    assert all(0 < row["rollout_corr/is_weight_mean"] for row in history)

@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megarl"
-LAYER = {"config": 0, "batch": 1, "data": 1, "rewards": 1, "algorithms": 1, "models": 2, "plan": 2, "engines": 3,
+LAYER = {"config": 0, "batch": 1, "data": 1, "rewards": 1, "algorithms": 1, "agents": 1, "models": 2, "plan": 2, "engines": 3,
          "weight_sync": 4, "controller": 5, "trainer": 6}
 
 
