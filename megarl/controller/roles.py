@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from megarl.batch import TrainBatch
+from megarl.batch import TrainBatch, concat_rows, select_rows
 from megarl.config.schema import MegarlConfig
 from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
 
@@ -172,8 +172,12 @@ class RewardModel:
 
     def score(self, batch: TrainBatch) -> torch.Tensor:
         """Scores ``[B]`` of a batch in the reward model's tokens
-        (:class:`~megarl.rewards.model_inputs.RewardModelInputs`)."""
-        return self._group.call("compute_rm_scores", shipped(batch, "compute_rm_scores"))
+        (:class:`~megarl.rewards.model_inputs.RewardModelInputs`). Any ``B``: a batch that does not split over
+        the group's data-parallel ranks (a short validation batch) is padded with copies of its last row."""
+        rows, dp = len(batch), self._group.dp_layout.dp_size
+        if rows % dp:
+            batch = concat_rows([batch, select_rows(batch, [rows - 1] * (dp - rows % dp))])
+        return self._group.call("compute_rm_scores", shipped(batch, "compute_rm_scores"))[:rows]
 
 
 @dataclass

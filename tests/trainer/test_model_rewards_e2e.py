@@ -41,12 +41,16 @@ def test_grpo_learns_what_the_reward_model_prefers(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_reward_model_on_its_own_pool_retokenizes_and_combines_with_the_rule(tmp_path):
-    """The reward model on its own worker pool, its inputs decoded and re-tokenized through its chat template
-    (input_tokenizer set, verl's switch), whitened and clipped, plus the digit rule at a weight."""
+    """The reward model on its own worker pool of two data-parallel ranks, its inputs decoded and re-tokenized
+    through its chat template (input_tokenizer set, verl's switch), whitened and clipped, plus the digit rule at
+    a weight; validation batches of any size."""
     history = _run(_config(tmp_path, *RM, "reward_model.enable_resource_pool=true", "reward_model.nnodes=1",
-                           "reward_model.n_gpus_per_node=1", "reward_model.model.input_tokenizer=embedded:tiny-qwen2",
+                           "reward_model.n_gpus_per_node=2", "reward_model.model.input_tokenizer=embedded:tiny-qwen2",
                            "reward_model.normalize_scores=true", "reward_model.score_clip=1.5",
-                           "reward_model.function_weight=2.0", "trainer.total_training_steps=2"))
+                           "reward_model.function_weight=2.0", "trainer.total_training_steps=2",
+                           # validation batches of 5 rows: they do not split over the RM's two DP ranks
+                           "trainer.test_freq=2", "data.val_batch_size=5"))
+    assert "val/score/mean" in history[-1]
     for row in history:
         assert row["reward/rm/retokenized"] == 1.0
         assert row["reward/rm/mean"] == pytest.approx(0.0, abs=0.1)  # whitened (then clipped at 1.5 std)
