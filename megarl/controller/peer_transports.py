@@ -78,18 +78,16 @@ def _watch_peers(pending: list, is_done, *, timeout_s: Optional[float] = None, w
 
 def open_weight_group(peers: list, device: str, timeout_s: float):
     """On training rank 0: the weight group of this process (its root) and ``peers`` (ranks 1..N)."""
-    import socket
     import threading
 
     import ray
 
-    from megarl.weight_sync.broadcast import create_group
+    from megarl.weight_sync.broadcast import create_group, host_store
 
     host = ray.util.get_node_ip_address()
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port = sock.getsockname()[1]
     world = len(peers) + 1
+    store = host_store(host, world, timeout_s)
+    port = store.port
     joins = [peer.execute.remote("join_weight_group", host, port, rank, world, timeout_s)
              for rank, peer in enumerate(peers, start=1)]
     # Joining blocks until every member is there: wait in a thread and watch the peers' joins, so a peer
@@ -99,7 +97,7 @@ def open_weight_group(peers: list, device: str, timeout_s: float):
 
     def join_as_root():
         try:
-            outcome["group"] = create_group(host, port, 0, world, device, timeout_s)
+            outcome["group"] = create_group(host, port, 0, world, device, timeout_s, store=store)
         except BaseException as err:  # handed to the caller below
             outcome["error"] = err
 

@@ -56,11 +56,20 @@ def unpack_bucket(buffer: torch.Tensor, layout: list[TensorSlot]) -> NamedTensor
             for slot in layout]
 
 
-def create_group(host: str, port: int, rank: int, world_size: int, device: str,
-                 timeout_s: float) -> dist.ProcessGroup:
-    """Join the weight group: rank 0 hosts the store at ``host:port``. Returns once every rank joined."""
+def host_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store on a port the system picks as it binds (a port chosen first and bound later can be
+    taken in between by any process on the node)."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def create_group(host: str, port: int, rank: int, world_size: int, device: str, timeout_s: float,
+                 store: dist.TCPStore | None = None) -> dist.ProcessGroup:
+    """Join the weight group whose store rank 0 hosts at ``host:port`` (rank 0 passes its ``store``). Returns
+    once every rank joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
     if device == "cuda":
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
