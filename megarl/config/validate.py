@@ -42,7 +42,8 @@ def training_world_size(cfg: MegarlConfig) -> int:
     return world_size(cfg)
 
 
-def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: str = "auto") -> int:
+def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: str = "auto",
+                    processes: str = "training processes (trainer.nnodes x trainer.n_gpus_per_node)") -> int:
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         _positive(getattr(m, name), f"{prefix}.{name}")
@@ -53,7 +54,7 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: st
     model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
     if n_procs % model_parallel:
         raise ConfigError(
-            f"{n_procs} training processes (trainer.nnodes x trainer.n_gpus_per_node) are not divisible by "
+            f"{n_procs} {processes} are not divisible by "
             f"{prefix}.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size "
             f"= {model_parallel}"
         )
@@ -174,8 +175,10 @@ def _check_model_rewards(cfg: MegarlConfig) -> None:
         if rm.enable_resource_pool:
             _positive(rm.nnodes, "reward_model.nnodes")
             _positive(rm.n_gpus_per_node, "reward_model.n_gpus_per_node")
+        processes = ("reward model processes (reward_model.nnodes x reward_model.n_gpus_per_node)"
+                     if rm.enable_resource_pool else "training processes (trainer.nnodes x trainer.n_gpus_per_node)")
         _check_megatron(rm.megatron, "reward_model.megatron", reward_model_world_size(cfg),
-                        cfg.actor_rollout_ref.model.layer_spec)
+                        cfg.actor_rollout_ref.model.layer_spec, processes=processes)
     if (rm.enable or judge.enable) and rm.function_weight == 0:
         configured = [key for key, value in (("reward_model.custom_function.path", rm.custom_function.path),
                                              ("reward_model.remote.url", rm.remote.url)) if value]

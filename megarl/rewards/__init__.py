@@ -8,7 +8,8 @@ from megarl.rewards.boxed_math import extract_last_boxed, math_answers_equal, no
 from megarl.rewards.custom import load_custom_reward_fn
 from megarl.rewards.format_reward import THINK_THEN_ANSWER, score_format
 from megarl.rewards.gsm8k import extract_gsm8k_answer, score_gsm8k
-from megarl.rewards.manager import RewardError, RewardManager, RewardResult, place_scores_on_last_token
+from megarl.rewards.manager import (RewardError, RewardManager, RewardResult, mean_by_source,
+                                   place_scores_on_last_token)
 from megarl.rewards.routing import DEFAULT_ROUTES, ScorerRouter, resolve_scorer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "extract_last_boxed",
     "load_custom_reward_fn",
     "math_answers_equal",
+    "mean_by_source",
     "normalize_math_answer",
     "place_scores_on_last_token",
     "resolve_scorer",

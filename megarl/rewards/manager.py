@@ -12,7 +12,8 @@ Error policy: `on_error="fail"` raises `RewardError` naming the sample, data_sou
 a broken scorer, not noise). An unknown data_source is a configuration error and always raises.
 With a remote reward service (:mod:`megarl.rewards.remote`, ``reward_model.remote.url``) the service scores
 every sample instead (with its prompt); a request that still fails after its retries is each of its samples'
-error, under the same policy. Leaves out: model-based reward models, decoding token ids to text.
+error, under the same policy. Leaves out: decoding token ids to text, and model-based rewards (a reward model,
+an LLM judge), which :mod:`megarl.trainer.scoring` combines with these scores.
 """
 
 from __future__ import annotations
@@ -164,15 +165,20 @@ class RewardManager:
         return RewardResult(scores=torch.tensor(scores, dtype=torch.float32), extra_infos=per_sample, metrics=metrics)
 
 
+def mean_by_source(data_sources: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
+    """The mean score of each data_source's samples, in order of first appearance."""
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for source, score in zip(data_sources, scores):
+        by_source[source].append(float(score))
+    return {source: sum(values) / len(values) for source, values in by_source.items()}
+
+
 def _summarise(data_sources, scores, per_sample, num_errors) -> dict[str, float]:
     metrics: dict[str, float] = {"reward/num_errors": float(num_errors)}
     if scores:
         metrics["reward/mean_score"] = sum(scores) / len(scores)
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for source, score in zip(data_sources, scores):
-        by_source[source].append(score)
-    for source, values in by_source.items():
-        metrics[f"reward/{source}/mean_score"] = sum(values) / len(values)
+    for source, mean in mean_by_source(data_sources, scores).items():
+        metrics[f"reward/{source}/mean_score"] = mean
     by_key: dict[str, list[float]] = defaultdict(list)
     for extras in per_sample:
         for key, value in extras.items():

@@ -30,7 +30,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.controller.roles import ActorRolloutRef, Critic, Rollout, needs_reference
 from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
-from megarl.rewards import place_scores_on_last_token
+from megarl.rewards import mean_by_source, place_scores_on_last_token
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
 from megarl.trainer.rollout_assembly import assemble_rollout_batch, unpadded_prompts
@@ -372,17 +372,17 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         """Greedy (by default) responses on the whole validation set; mean score overall and per source."""
         start = time.perf_counter()
-        totals: dict[str, list[float]] = {}
+        sources: list[str] = []
+        every: list[float] = []
         self.actor.for_generation()
         for prompts in iter_in_order(self.val_dataset, self.cfg.data.val_batch_size, self.tokenizer.pad_token_id):
             rollout = self.generate(prompts, self.val_sampling())
             _, scores, _ = self.scorer.score(rollout)
-            for source, score in zip(rollout.data_sources, scores.tolist()):
-                totals.setdefault(source, []).append(score)
-        every = [s for values in totals.values() for s in values]
+            sources += rollout.data_sources
+            every += scores.tolist()
         metrics = {"val/score/mean": sum(every) / max(len(every), 1)}
-        for source, values in totals.items():
-            metrics[f"val/{source}/score/mean"] = sum(values) / len(values)
+        for source, mean in mean_by_source(sources, every).items():
+            metrics[f"val/{source}/score/mean"] = mean
         metrics["timing_s/validate"] = time.perf_counter() - start
         return metrics
 

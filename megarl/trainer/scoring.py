@@ -18,7 +18,7 @@ import torch
 from megarl.batch import RolloutBatch
 from megarl.config.schema import MegarlConfig
 from megarl.engines.rollout.base import SamplingConfig
-from megarl.rewards import RewardManager, place_scores_on_last_token
+from megarl.rewards import RewardManager, mean_by_source, place_scores_on_last_token
 from megarl.rewards.judge import judge_prompt_ids, parse_judgements, question_of
 from megarl.rewards.model_inputs import RewardModelInputs, combine_scores
 from megarl.trainer.rollout_assembly import decode_rows
@@ -69,7 +69,8 @@ class SampleScorer:
                 rm_weight=rm.rm_weight, function_weight=rm.function_weight, judge_weight=rm.judge.weight,
                 normalize=rm.normalize_scores, clip=rm.score_clip)
             metrics.update(combined_metrics)
-            metrics.update(_per_source_means(batch.data_sources, scores))
+            metrics.update({f"reward/{source}/combined_mean": mean
+                            for source, mean in mean_by_source(batch.data_sources, scores.tolist()).items()})
         return place_scores_on_last_token(scores, batch.response_mask), scores, metrics
 
     def judge(self, batch: RolloutBatch, responses: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -93,9 +94,3 @@ class SampleScorer:
         metrics["reward/judge/prompts_cut"] = float(cut)
         return scores, metrics
 
-
-def _per_source_means(data_sources: list[str], scores: torch.Tensor) -> dict[str, float]:
-    by_source: dict[str, list[float]] = {}
-    for source, score in zip(data_sources, scores.tolist()):
-        by_source.setdefault(source, []).append(score)
-    return {f"reward/{source}/combined_mean": sum(v) / len(v) for source, v in by_source.items()}
