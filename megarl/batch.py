@@ -29,6 +29,9 @@ class RolloutBatch:
     extra_infos: list[Any] = field(default_factory=list)
     rollout_log_probs: Optional[torch.Tensor] = None  # [B, R] as computed by the rollout engine
     raw_prompts: list[Any] = field(default_factory=list)  # the dataset's prompt (chat messages or text) per row
+    # [B, R] 1 on the response tokens the policy generated; None: every real one. Multi-turn responses hold
+    # tool results and chat-template text between the model's turns: part of the sequence, not of the policy.
+    generated_mask: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])
@@ -50,6 +53,12 @@ class RolloutBatch:
     def response_lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
 
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """[B, R] the tokens the policy's statistics are about: advantages, log-prob and KL metrics, rollout
+        correction (the generated tokens; ``response_mask`` when every response token was generated)."""
+        return self.response_mask if self.generated_mask is None else self.generated_mask
+
 
 @dataclass
 class TrainBatch(RolloutBatch):
@@ -61,11 +70,14 @@ class TrainBatch(RolloutBatch):
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
     rollout_is_weights: Optional[torch.Tensor] = None  # [B, R] rollout correction's importance weights
-    loss_mask: Optional[torch.Tensor] = None  # [B, R] response tokens the policy loss counts (None: response_mask)
+    loss_mask: Optional[torch.Tensor] = None  # [B, R] response tokens the policy loss counts (None: response_mask);
+    # generated_mask less what the rollout correction rejected
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch) -> "TrainBatch":
-        return cls(**{f.name: getattr(rollout, f.name) for f in dataclasses.fields(RolloutBatch)})
+        batch = cls(**{f.name: getattr(rollout, f.name) for f in dataclasses.fields(RolloutBatch)})
+        batch.loss_mask = rollout.generated_mask  # tool results and template text never enter the loss
+        return batch
 
 
 def select_rows(batch, index: torch.Tensor | list[int] | slice):

@@ -9,6 +9,7 @@ block at the end (the response was cut) is an error too.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -75,3 +76,18 @@ class HermesToolParser:
         if not isinstance(arguments, dict):
             return None, f"tool call {payload['name']!r}: 'arguments' must be a JSON object"
         return ToolCall(payload["name"], arguments), ""
+
+
+def build_tool_parser(format: str) -> ToolCallParser:
+    """``hermes``, or a ``module.Class`` with a ``parse(text) -> ParsedMessage`` (built without arguments)."""
+    if format == "hermes":
+        return HermesToolParser()
+    module_name, _, class_name = format.rpartition(".")
+    try:
+        parser = getattr(importlib.import_module(module_name), class_name)()
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
+        raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={format!r}: cannot build the tool-call "
+                         f"parser: {exc}") from exc
+    if not callable(getattr(parser, "parse", None)):
+        raise ValueError(f"actor_rollout_ref.rollout.multi_turn.format={format!r} has no parse(text) method")
+    return parser

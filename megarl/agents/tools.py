@@ -8,8 +8,8 @@ str``.
 
 :func:`run_tool` is how every call runs: unknown tools, arguments the schema does not allow (missing required
 or unknown names), exceptions, results that are not text and calls past ``timeout_s`` all become a
-:class:`ToolResult` whose text tells the model what went wrong (text past ``max_output_chars`` keeps its start
-and its end); nothing a tool does raises into the rollout. A Python tool that hangs cannot be killed from its
+:class:`ToolResult` whose text tells the model what went wrong (text past ``max_output_chars`` is cut by
+:func:`truncate_text`); nothing a tool does raises into the rollout. A Python tool that hangs cannot be killed from its
 thread: the call returns its timeout error and the thread is left to finish (the built-in code runner is a
 subprocess and is killed).
 """
@@ -108,16 +108,32 @@ def _argument_problem(tool: Tool, arguments: dict) -> Optional[str]:
 _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="megarl-tool")
 
 
+TRUNCATE_SIDES = ("middle", "left", "right")
+
+
+def truncate_text(text: str, max_chars: int, side: str = "middle") -> str:
+    """``text`` cut to about ``max_chars`` characters, saying how much was cut: ``left`` keeps the start,
+    ``right`` the end, ``middle`` both ends (3/4 and 1/4: how a program ended is at the end)."""
+    if side not in TRUNCATE_SIDES:
+        raise ValueError(f"truncate side {side!r} is not one of {TRUNCATE_SIDES}")
+    if len(text) <= max_chars:
+        return text
+    if side == "left":
+        return f"{text[:max_chars]}\n... [{len(text) - max_chars} characters cut]"
+    if side == "right":
+        return f"[{len(text) - max_chars} characters cut] ...\n{text[-max_chars:]}"
+    head, tail = max_chars * 3 // 4, max_chars // 4
+    return f"{text[:head]}\n... [{len(text) - head - tail} characters cut] ...\n{text[len(text) - tail:]}"
+
+
 def run_tool(tools: dict[str, Tool], name: str, arguments: dict, *, timeout_s: float = 10.0,
-             max_output_chars: int = 4096) -> ToolResult:
+             max_output_chars: int = 4096, truncate_side: str = "middle") -> ToolResult:
     """Run one call; every failure is a result the model reads (see the module docstring)."""
     start = time.monotonic()
 
     def result(text: str, error: bool) -> ToolResult:
-        if len(text) > max_output_chars:  # keep both ends: how a program ended is at the end
-            head, tail = max_output_chars * 3 // 4, max_output_chars // 4
-            text = f"{text[:head]}\n... [{len(text) - head - tail} characters cut] ...\n{text[-tail:]}"
-        return ToolResult(text=text, error=error, seconds=time.monotonic() - start)
+        return ToolResult(text=truncate_text(text, max_output_chars, truncate_side), error=error,
+                          seconds=time.monotonic() - start)
 
     tool = tools.get(name)
     if tool is None:

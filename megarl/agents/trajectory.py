@@ -58,12 +58,15 @@ class Trajectory:
             self.finish_reason = "length"
 
 
-def context_tokens(tokenizer, history: list[dict], new_messages: list[dict]) -> list[int]:
+def context_tokens(tokenizer, history: list[dict], new_messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
     """The tokens between the end of the model's last turn in ``history`` (an assistant message) and its next
     turn: what the template writes after the end-of-turn token the model generated, ``new_messages`` (tool
-    results) and the generation prompt."""
-    before = tokenizer.apply_chat_template(history, tokenize=False)
-    after = tokenizer.apply_chat_template(history + new_messages, add_generation_prompt=True, tokenize=False)
+    results) and the generation prompt. ``tools`` (the function schemas) are passed to the template as the
+    prompt was rendered with them."""
+    extra = {"tools": tools} if tools else {}
+    before = tokenizer.apply_chat_template(history, tokenize=False, **extra)
+    after = tokenizer.apply_chat_template(history + new_messages, add_generation_prompt=True, tokenize=False,
+                                          **extra)
     if not after.startswith(before):
         raise ValueError("the chat template renders the earlier turns differently once tool messages follow; "
                          "its context cannot be appended token by token")

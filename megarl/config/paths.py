@@ -39,6 +39,8 @@ def with_absolute_paths(cfg: MegarlConfig, base: str | Path) -> MegarlConfig:
     cfg.critic.model_path = _absolute(cfg.critic.model_path, base)
     custom = cfg.reward_model.custom_function
     custom.path = _absolute(custom.path, base)
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    multi_turn.tool_config_path = _absolute(multi_turn.tool_config_path, base)
     if cfg.trainer.resume_mode not in ("auto", "disable"):
         cfg.trainer.resume_mode = _absolute(cfg.trainer.resume_mode, base, always=True)
     return cfg

@@ -106,6 +106,25 @@ class SamplingOverrides:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-calling rollouts (:mod:`megarl.agents`); verl's ``rollout.multi_turn`` keys. Each
+    response is a conversation: the model's turns, the tools' results between them (masked out of the loss),
+    until a turn calls no tool, ``max_assistant_turns``, or ``data.max_response_length`` (all turns)."""
+
+    enable: bool = False
+    tool_config_path: Optional[str] = None  # a tools file: {tools: [{class_name, config, tool_schema}]}
+    format: str = "hermes"  # the tool-call parser: hermes (<tool_call>{json}</tool_call>) or module.Class
+    max_assistant_turns: Optional[int] = None  # None: only the response budget ends a conversation
+    max_user_turns: Optional[int] = None  # rounds of tool results
+    max_tokens_per_turn: Optional[int] = None  # one turn's share of data.max_response_length at most
+    max_parallel_calls: int = 1  # calls run per turn; the model is told about the ones left out
+    max_tool_response_length: int = 256  # characters of a tool's result the model reads
+    tool_response_truncate_side: str = "middle"  # left (keep the start) | right (keep the end) | middle
+    tool_timeout_s: float = 30.0  # a call past this is an error for the model, not a stalled rollout
+    tool_workers: int = 32  # tool calls running at once across all conversations
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # hf | vllm
     n: int = 8
@@ -126,6 +145,7 @@ class RolloutConfig:
     # placement=separate: broadcast (a process group with the rollout workers: NCCL/gloo) | object_store (Ray)
     weight_sync_transport: str = "broadcast"
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

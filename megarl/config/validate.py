@@ -217,6 +217,33 @@ def _check_async_training(cfg: MegarlConfig) -> None:
             raise ConfigError(f"async_training.mode={mode} needs {need}")
 
 
+def _check_multi_turn(cfg: MegarlConfig) -> None:
+    m = cfg.actor_rollout_ref.rollout.multi_turn
+    if not m.enable:
+        return
+    key = "actor_rollout_ref.rollout.multi_turn"
+    if not m.tool_config_path:
+        raise ConfigError(f"{key}.enable=true needs {key}.tool_config_path (a tools file, "
+                          f"e.g. configs/tools/calculator_python.yaml)")
+    if m.format != "hermes" and "." not in m.format:
+        raise ConfigError(f"{key}.format={m.format!r} is neither 'hermes' nor a module.Class tool-call parser")
+    _choice(m.tool_response_truncate_side, ("left", "right", "middle"), f"{key}.tool_response_truncate_side")
+    for name in ("max_parallel_calls", "max_tool_response_length", "tool_timeout_s", "tool_workers"):
+        _positive(getattr(m, name), f"{key}.{name}")
+    for name in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
+        if getattr(m, name) is not None:
+            _positive(getattr(m, name), f"{key}.{name}")
+    if not cfg.data.apply_chat_template:
+        raise ConfigError(f"{key}.enable=true writes tool results with the chat template: it needs "
+                          f"data.apply_chat_template=true and chat-message prompts")
+    if cfg.actor_rollout_ref.rollout.ignore_eos:
+        raise ConfigError(f"{key}.enable=true ends each turn at the model's end-of-turn token: "
+                          f"actor_rollout_ref.rollout.ignore_eos=true would never end one")
+    if cfg.async_training.mode == "fully_async":
+        raise ConfigError(f"{key}.enable=true with async_training.mode=fully_async is not supported (its "
+                          f"partial rollouts resume single responses); use sync or one_step_off")
+
+
 def critic_enabled(cfg: MegarlConfig) -> bool:
     return bool(cfg.critic.enable)
 
@@ -272,6 +299,7 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
             raise ConfigError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0")
     _check_model_rewards(cfg)
     _check_async_training(cfg)
+    _check_multi_turn(cfg)
     _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
     _choice(t.placement, ("colocate", "separate"), "trainer.placement")
     _choice(t.backend, ("ray", "inprocess"), "trainer.backend")

@@ -9,17 +9,10 @@ leaves out everything that needs more than one process.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any, Mapping
 
 from megarl.controller.dispatch import DPLayout, collect_results, lookup_method_spec, plan_dispatch
 from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class InProcessWorkerGroup:
@@ -35,7 +28,9 @@ class InProcessWorkerGroup:
             **dict(env or {}),
         }
         if "MASTER_PORT" not in os.environ or os.environ.get(ENV_GROUP_NAME) is None:
-            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            from megarl.engines.megatron.parallel import bind_rendezvous_store
+
+            rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(bind_rendezvous_store()))
         # restored by shutdown(): a process started later from this one must not inherit a dead group's port
         self._saved_env = {key: os.environ.get(key) for key in rank_env}
         os.environ.update(rank_env)

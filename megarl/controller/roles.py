@@ -34,7 +34,7 @@ SHIPPED_FIELDS = {
     "compute_values": _MODEL_INPUTS,
     "update_actor": _MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights",
                                      "loss_mask"),
-    "update_critic": _MODEL_INPUTS + ("values", "returns"),
+    "update_critic": _MODEL_INPUTS + ("values", "returns", "generated_mask"),
     "compute_rm_scores": _MODEL_INPUTS,
 }
 
@@ -92,8 +92,11 @@ class Rollout:
         generates at once)."""
         world = self._group.world_size
         chunks = split_evenly(list(range(len(prompts))), world)
-        call = self._group.call_async("generate", [[prompts[i] for i in chunk] for chunk in chunks],
-                                      [sampling] * world)
+        per_rank = [sampling] * world
+        if sampling.prompt_seeds:  # each prompt's seed goes with it
+            per_rank = [replace(sampling, prompt_seeds=tuple(sampling.prompt_seeds[i] for i in chunk))
+                        for chunk in chunks]
+        call = self._group.call_async("generate", [[prompts[i] for i in chunk] for chunk in chunks], per_rank)
         return PendingGeneration(chunks, call)
 
 

@@ -61,11 +61,13 @@ def generate_in_replica(engine, prompt_token_ids: list[list[int]], sampling, rep
             return []
         return engine.generate(prompt_token_ids, replica_seed(sampling, replica.index))
     shares: list = [None] * replica.size
-    dist.all_gather_object(shares, list(prompt_token_ids), group=replica.group)
-    merged = [prompt for share in shares for prompt in share]
+    dist.all_gather_object(shares, (list(prompt_token_ids), sampling.prompt_seeds), group=replica.group)
+    merged = [prompt for prompts, _ in shares for prompt in prompts]
     if not merged:
         return []
+    if sampling.prompt_seeds:  # per-prompt seeds travel with their prompts (already distinct per prompt)
+        sampling = replace(sampling, prompt_seeds=tuple(seed for _, seeds in shares for seed in seeds))
     outputs = engine.generate(merged, replica_seed(sampling, replica.index))
-    start = sum(len(share) for share in shares[: dist.get_rank(replica.group)])
+    start = sum(len(prompts) for prompts, _ in shares[: dist.get_rank(replica.group)])
     end = start + len(prompt_token_ids)
     return [replace(out, prompt_index=out.prompt_index - start) for out in outputs if start <= out.prompt_index < end]

@@ -116,10 +116,11 @@ class _WorkerHost:
             "stack_file": f"/proc/{os.getpid()}/fd/{self._stack_file.fileno()}",
         }
 
-    def find_free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
+    def bind_rendezvous_store(self, timeout_s: float) -> int:
+        """Rank 0: the group's store, bound now on a port the system picks (see parallel.bind_rendezvous_store)."""
+        from megarl.engines.megatron.parallel import bind_rendezvous_store
+
+        return bind_rendezvous_store(timeout_s)
 
     def construct(self, env: dict[str, str], args: tuple, kwargs: dict) -> None:
         os.environ.update(env)
@@ -227,7 +228,7 @@ class WorkerGroup:
         try:
             self.worker_infos = self._gather([actor.describe.remote() for actor in self._actors],
                                              "describe (actor start)", init_timeout_s)
-            master_port = ray.get(self._actors[0].find_free_port.remote(), timeout=init_timeout_s)
+            master_port = ray.get(self._actors[0].bind_rendezvous_store.remote(init_timeout_s), timeout=init_timeout_s)
             envs = self._build_rank_envs(master_port, dict(env or {}))
             args, kwargs = tuple(init_args), dict(init_kwargs or {})
             self._gather([actor.construct.remote(rank_env, args, kwargs)

@@ -10,7 +10,9 @@ Columns (one row per prompt):
 `RLDataset` tokenizes everything up front so overlong prompts are found (and reported) before training starts.
 `collate_prompts` left-pads a list of items into tensors. Sampling order and resume live in `sampler.py`.
 
-Left out: multimodal prompts, lazy/streaming reading of datasets larger than memory, tool schemas.
+With ``tools`` (function schemas; multi-turn rollouts) the chat template renders them into each prompt.
+
+Left out: multimodal prompts, lazy/streaming reading of datasets larger than memory.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class RLDataset:
         truncation: str = "error",
         apply_chat_template: bool = True,
         default_data_source: str = DEFAULT_DATA_SOURCE,
+        tools: list[dict] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -92,6 +95,7 @@ class RLDataset:
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
         self.default_data_source = default_data_source
+        self.tools = tools  # function schemas the chat template renders into the prompt (multi-turn rollouts)
         self.items: list[PromptItem] = []
         self.filtered_rows: list[tuple[str, int, int]] = []  # (file, row, token length) of each dropped prompt
         for path in self.files:
@@ -167,7 +171,8 @@ class RLDataset:
             messages = _check_messages(prompt, self.prompt_key, where)
             # Render to text, then tokenize without extra special tokens: the template already placed them,
             # and tokenize=True returns different types across transformers versions.
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            extra = {"tools": self.tools} if self.tools else {}
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         else:
             if not isinstance(prompt, str):
                 raise ValueError(

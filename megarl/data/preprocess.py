@@ -1,6 +1,7 @@
 """Convert local JSONL files into the parquet layout `RLDataset` reads.
 
     python -m megarl.data.preprocess gsm8k --input train.jsonl --output data/gsm8k [--test-input test.jsonl]
+    python -m megarl.data.preprocess gsm8k --with-tools --input train.jsonl --output data/gsm8k_tools  (multi-turn)
     python -m megarl.data.preprocess math  --input train.jsonl --output data/math
     python -m megarl.data.preprocess jsonl --input qa.jsonl --output data/qa \
         --prompt-field question --answer-field answer --data-source my/qa
@@ -25,6 +26,10 @@ from megarl.data.rows import make_prompt_row, write_prompt_rows
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# gsm8k --with-tools: a system message for multi-turn rollouts with configs/tools/calculator_python.yaml
+GSM8K_TOOLS_SYSTEM = ("You are a careful math solver with tools. Reason step by step; use the calculator (or "
+                      "python) tool for any arithmetic instead of doing it in your head, read its result, and "
+                      "when you are done write the final answer after \"####\".")
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 MATH_DATA_SOURCE = "lighteval/MATH"
 
@@ -149,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data-source", default=source, required=source is None,
                        help=f"data_source column (default {source!r})" if source else "data_source column")
         p.add_argument("--instruction", default=instruction, help="text appended to every prompt")
+        p.add_argument("--system", help="a system message put before every prompt")
+        if kind == "gsm8k":
+            p.add_argument("--with-tools", action="store_true",
+                           help="the system message of multi-turn tool rollouts (see configs/qwen2_5_7b_gsm8k_tools_grpo.yaml)")
         if kind == "jsonl":
             p.add_argument("--prompt-field", required=True)
             p.add_argument("--answer-field", required=True)
@@ -172,7 +181,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BadRowError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    system = GSM8K_TOOLS_SYSTEM if getattr(args, "with_tools", False) else args.system
     for split, rows in converted:
+        if system:
+            for row in rows:
+                row["prompt"].insert(0, {"role": "system", "content": system})
         written = write_prompt_rows(rows, out / f"{split}.parquet")
         print(f"wrote {len(rows)} rows to {written}")
     return 0

@@ -5,7 +5,9 @@ Everything heavy happens in the worker groups (Megatron engines, rollout engine)
 what happens in which order and moves small batches between them. One step at a time, synchronous; or, with
 separate placement, ``async_training.mode=one_step_off`` (the next step's generation runs on the rollout
 workers while this step trains, one update old) or ``fully_async`` (a producer thread keeps them generating
-into a buffer, :mod:`megarl.trainer.rollout_producer`). The actor group holds the reference and, colocated,
+into a buffer, :mod:`megarl.trainer.rollout_producer`). With ``rollout.multi_turn`` each response is a
+conversation with tools (:mod:`megarl.trainer.agent_rollout`), whose tool results the policy's statistics
+leave out (``batch.policy_mask``). The actor group holds the reference and, colocated,
 the rollout replicas (the hybrid engine), or a separate rollout group serves generation; optional critic and
 reward model groups.
 """
@@ -21,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megarl.agents.loop import conversation_metrics
 from megarl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_in_reward, get_advantage_estimator
 from megarl.algorithms.dynamic_sampling import first_groups, overlong_penalty, rows_of_informative_groups
 from megarl.algorithms.masked import masked_mean
@@ -33,7 +36,7 @@ from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import mean_by_source, place_scores_on_last_token
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
-from megarl.trainer.rollout_assembly import assemble_rollout_batch, unpadded_prompts
+from megarl.trainer.rollout_assembly import assemble_rollout_batch, conversation_fields, unpadded_prompts
 from megarl.trainer.rollout_producer import RolloutProducer
 from megarl.trainer.scoring import SampleScorer
 
@@ -272,7 +275,7 @@ class RLTrainer:
             penalty = overlong_penalty(batch.response_lengths, max_response_length=self.cfg.data.max_response_length,
                                        buffer_length=overlong.len, penalty_factor=overlong.penalty_factor)
             scores = scores + penalty
-            batch.token_level_scores = place_scores_on_last_token(scores, batch.response_mask)
+            batch.token_level_scores = place_scores_on_last_token(scores, batch.policy_mask)
             reward_metrics = {**reward_metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
         return scores, reward_metrics
 
@@ -312,6 +315,7 @@ class RLTrainer:
             pad_token_id=self.tokenizer.pad_token_id, data_sources=prompts.data_sources,
             ground_truths=prompts.ground_truths, extra_infos=prompts.extra_infos,
             rollout_log_probs=log_probs if have_log_probs else None, raw_prompts=prompts.raw_prompts,
+            **conversation_fields(outputs),
         )
 
     def correct_for_rollout_mismatch(self, batch: TrainBatch) -> dict[str, float]:
@@ -323,11 +327,11 @@ class RLTrainer:
                                "tokens, and this rollout engine returned none")
         correction = compute_rollout_correction(
             old_log_probs=batch.old_log_probs, rollout_log_probs=batch.rollout_log_probs,
-            response_mask=batch.response_mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            response_mask=batch.policy_mask, rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
             rollout_rs_threshold=rc.rollout_rs_threshold)
         batch.rollout_is_weights = correction.is_weights
-        batch.loss_mask = correction.loss_mask if rc.rollout_rs else None
+        batch.loss_mask = correction.loss_mask if rc.rollout_rs else batch.generated_mask
         return correction.metrics
 
     def compute_advantages(self, batch: TrainBatch, scores: torch.Tensor,
@@ -337,14 +341,14 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         if alg.use_kl_in_reward:
             batch.token_level_rewards, kl_metrics = apply_kl_in_reward(
-                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.response_mask.float(),
+                batch.token_level_scores, batch.old_log_probs, batch.ref_log_probs, batch.policy_mask.float(),
                 self.kl_ctrl, kind=alg.kl_penalty)
             metrics.update(kl_metrics)
         else:
             batch.token_level_rewards = batch.token_level_scores
         estimator = get_advantage_estimator(alg.adv_estimator)
         batch.advantages, batch.returns = estimator(
-            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask.float(),
+            token_level_rewards=batch.token_level_rewards, response_mask=batch.policy_mask.float(),
             group_ids=batch.group_ids, values=batch.values, gamma=alg.gamma, lam=alg.lam,
             norm_by_std=alg.norm_adv_by_std_in_grpo, baseline_scores=baseline,
         )
@@ -364,7 +368,8 @@ class RLTrainer:
             max_response_length=batch.response_ids.shape[1], pad_token_id=self.tokenizer.pad_token_id,
             data_sources=[batch.data_sources[r] for r in rows], ground_truths=[batch.ground_truths[r] for r in rows],
             extra_infos=[batch.extra_infos[r] for r in rows],
-            raw_prompts=[batch.raw_prompts[r] for r in rows] if batch.raw_prompts else ())
+            raw_prompts=[batch.raw_prompts[r] for r in rows] if batch.raw_prompts else (),
+            **conversation_fields(outputs))
         _, greedy_scores, _ = self.scorer.score(greedy_batch)
         by_group = dict(zip(greedy_batch.group_ids, greedy_scores.tolist()))
         return torch.tensor([by_group[g] for g in batch.group_ids], dtype=torch.float32)
@@ -492,8 +497,8 @@ def _read_state(root: Path) -> dict:
 
 
 def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict[str, float]:
-    mask = batch.response_mask.float()
-    lengths = mask.sum(dim=1)
+    mask = batch.policy_mask.float()  # multi-turn: the generated tokens, not the tool results between them
+    lengths = batch.response_mask.float().sum(dim=1)
     max_len = batch.response_ids.shape[1]
     metrics = {
         "critic/score/mean": float(scores.mean()), "critic/score/max": float(scores.max()),
@@ -518,6 +523,10 @@ def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[tor
         gap = (batch.rollout_log_probs - batch.old_log_probs).abs()
         metrics["rollout/log_prob_diff_mean"] = float(masked_mean(gap, mask))
         metrics["rollout/log_prob_diff_max"] = float(gap[mask.bool()].max())
+    conversations = [info["agent"] for info in batch.extra_infos if isinstance(info, dict) and "agent" in info]
+    if conversations:
+        metrics.update(conversation_metrics(conversations))
+        metrics["agent/generated_token_fraction"] = float(mask.sum() / batch.response_mask.sum().clamp(min=1))
     return {k: v for k, v in metrics.items() if not math.isnan(v)}
 
 

@@ -17,13 +17,14 @@ from typing import Optional, Sequence
 
 from megarl.config import MegarlConfig, load_config, save_config
 from megarl.config.paths import with_absolute_paths
+from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer
 from megarl.trainer.scoring import SampleScorer
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.stop_signals import StopSignals
 
 
-def build_data(cfg: MegarlConfig, tokenizer):
+def build_data(cfg: MegarlConfig, tokenizer, tools: Optional[dict] = None):
     from megarl.data.dataset import RLDataset
     from megarl.data.sampler import PromptLoader
     from megarl.data.synthetic import resolve_data_files
@@ -33,7 +34,8 @@ def build_data(cfg: MegarlConfig, tokenizer):
     def dataset(files, split):
         return RLDataset(resolve_data_files(files, split=split), tokenizer, prompt_key=d.prompt_key,
                          max_prompt_length=d.max_prompt_length, filter_overlong_prompts=d.filter_overlong_prompts,
-                         truncation=d.truncation, apply_chat_template=d.apply_chat_template)
+                         truncation=d.truncation, apply_chat_template=d.apply_chat_template,
+                         tools=[tool.schema for tool in tools.values()] if tools else None)
 
     train = dataset(d.train_files, "train")
     loader = PromptLoader(train, d.train_batch_size, seed=d.seed, pad_token_id=tokenizer.pad_token_id,
@@ -78,6 +80,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     """Train to the end of ``cfg``; returns the per-step metric history."""
     from transformers import AutoTokenizer
 
+    from megarl.agents.tools import load_tools
     from megarl.controller.roles import start_workers
     from megarl.models.embedded import resolve_model_path
     from megarl.trainer.checkpoint import CheckpointManager
@@ -87,7 +90,9 @@ def run(cfg: MegarlConfig) -> list[dict]:
     t = cfg.trainer
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
-    train_loader, val_dataset = build_data(cfg, tokenizer)
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable else None
+    train_loader, val_dataset = build_data(cfg, tokenizer, tools)
     total_steps = t.total_training_steps or len(train_loader) * t.total_epochs
     reward_manager = build_reward_manager(cfg)
     out_dir = Path(t.default_local_dir)
@@ -95,15 +100,18 @@ def run(cfg: MegarlConfig) -> list[dict]:
     stop = StopSignals()
     workers = None
     logger = None
+    agent_rollout = None
     try:
         save_config(cfg, out_dir / "config.yaml")
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
+        if tools is not None:  # every response a conversation with the tools (validation's too)
+            agent_rollout = build_agent_rollout(cfg, workers.rollout, tokenizer, tools)
         scorer = SampleScorer(cfg, tokenizer=tokenizer, reward_manager=reward_manager, rollout=workers.rollout,
                               reward_model=workers.reward_model, rm_inputs=build_rm_inputs(cfg, tokenizer))
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
                             scorer=scorer, actor=workers.actor, critic=workers.critic,
-                            rollout=workers.rollout, logger=logger,
+                            rollout=agent_rollout or workers.rollout, logger=logger,
                             checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
                             total_steps=total_steps, stop_requested=lambda: stop.requested)
         with stop:
@@ -111,6 +119,8 @@ def run(cfg: MegarlConfig) -> list[dict]:
     finally:
         if logger is not None:
             logger.close()
+        if agent_rollout is not None:
+            agent_rollout.close()
         if workers is not None:
             workers.shutdown()
         lock.release()

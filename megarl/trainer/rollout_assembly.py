@@ -32,14 +32,19 @@ def assemble_rollout_batch(
     extra_infos: Sequence = (),
     rollout_log_probs: Sequence[Sequence[float]] | None = None,
     raw_prompts: Sequence = (),
+    generated_masks: Sequence[Sequence[int]] | None = None,
+    row_extra_infos: Sequence[dict] | None = None,
 ) -> RolloutBatch:
-    """One row per response; ``prompt_index[i]`` says which prompt response ``i`` answers."""
+    """One row per response; ``prompt_index[i]`` says which prompt response ``i`` answers. Multi-turn
+    responses bring ``generated_masks`` (1 on the tokens the model generated) and ``row_extra_infos`` (merged
+    into their prompt's ``extra_info``: what the reward function sees of the conversation)."""
     rows = len(responses)
     prompt_ids = torch.full((rows, max_prompt_length), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((rows, max_prompt_length), dtype=torch.long)
     response_ids = torch.full((rows, max_response_length), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((rows, max_response_length), dtype=torch.long)
     log_probs = torch.zeros((rows, max_response_length)) if rollout_log_probs is not None else None
+    generated = torch.zeros((rows, max_response_length), dtype=torch.long) if generated_masks is not None else None
     for row, (which, response) in enumerate(zip(prompt_index, responses)):
         prompt = prompts[which]
         if len(prompt) > max_prompt_length:
@@ -56,16 +61,31 @@ def assemble_rollout_batch(
             response_mask[row, : len(response)] = 1
             if log_probs is not None:
                 log_probs[row, : len(response)] = torch.as_tensor(rollout_log_probs[row], dtype=torch.float32)
+            if generated is not None:
+                generated[row, : len(response)] = torch.as_tensor(generated_masks[row], dtype=torch.long)
 
     def per_row(values: Sequence) -> list:
         return [values[i] for i in prompt_index] if len(values) else []
 
+    extra_infos = per_row(extra_infos)
+    if row_extra_infos is not None:
+        base = extra_infos or [{}] * rows
+        extra_infos = [{**(info or {}), **own} for info, own in zip(base, row_extra_infos)]
+
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
         group_ids=[group_ids[i] for i in prompt_index], data_sources=per_row(data_sources),
-        ground_truths=per_row(ground_truths), extra_infos=per_row(extra_infos), rollout_log_probs=log_probs,
-        raw_prompts=per_row(raw_prompts),
+        ground_truths=per_row(ground_truths), extra_infos=extra_infos, rollout_log_probs=log_probs,
+        raw_prompts=per_row(raw_prompts), generated_mask=generated,
     )
+
+
+def conversation_fields(outputs: Sequence) -> dict:
+    """``assemble_rollout_batch``'s multi-turn arguments from rollout outputs (none for single responses)."""
+    if not outputs or getattr(outputs[0], "loss_mask", None) is None:
+        return {}
+    return {"generated_masks": [out.loss_mask for out in outputs],
+            "row_extra_infos": [{"agent": out.agent} for out in outputs]}
 
 
 def decode_rows(tokenizer, token_ids, mask) -> list[str]:

@@ -71,7 +71,7 @@ class SampleScorer:
             metrics.update(combined_metrics)
             metrics.update({f"reward/{source}/combined_mean": mean
                             for source, mean in mean_by_source(batch.data_sources, scores.tolist()).items()})
-        return place_scores_on_last_token(scores, batch.response_mask), scores, metrics
+        return place_scores_on_last_token(scores, batch.policy_mask), scores, metrics
 
     def judge(self, batch: RolloutBatch, responses: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """One greedy (by default) judgement per sample from the policy's rollout engine."""

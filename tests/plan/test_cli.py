@@ -40,6 +40,7 @@ def test_missing_flags_and_files_are_named():
     "recipe, model",
     [
         ("qwen2_5_7b_gsm8k_grpo", "qwen2_5_7b_instruct"),
+        ("qwen2_5_7b_gsm8k_tools_grpo", "qwen2_5_7b_instruct"),
         ("llama3_1_70b_grpo", "llama3_1_70b"),
         ("qwen3_30b_a3b_grpo", "qwen3_30b_a3b"),
     ],

@@ -101,10 +101,12 @@ class CriticEngine(MegatronEngine):
         for _ in range(ppo_epochs):
             for index in range(num_mini):
                 mini = select_rows(batch, slice(index * mini_batch_size, (index + 1) * mini_batch_size))
-                num_tokens, num_seqs = self.global_counts(mini.response_mask.float())
+                # multi-turn: values are fitted on the tokens the policy generated, not on tool results
+                value_mask = mini.policy_mask
+                num_tokens, num_seqs = self.global_counts(value_mask.float())
 
                 def loss(mb, output, num_tokens=num_tokens, num_seqs=num_seqs):
-                    mask = mb["response_mask"]
+                    mask = mb["generated_mask"] if mb.get("generated_mask") is not None else mb["response_mask"]
                     vf_loss, vf_metrics = compute_value_loss(
                         values=self._response_values(output, mb), old_values=mb["values"], returns=mb["returns"],
                         response_mask=mask, cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
@@ -118,7 +120,8 @@ class CriticEngine(MegatronEngine):
                     }
 
                 self.zero_grad()
-                micro_batches = self.make_micro_batches(mini, ("values", "returns"))
+                fields = ("values", "returns") + (("generated_mask",) if mini.generated_mask is not None else ())
+                micro_batches = self.make_micro_batches(mini, fields)
                 reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
                 metrics = self.reduce_step_metrics(reported, names)
                 metrics.update(self.optimizer_step())

@@ -45,10 +45,24 @@ def device_for_this_process() -> torch.device:
     return torch.device("cpu")
 
 
+_bound_store: Optional[dist.TCPStore] = None  # rank 0's rendezvous store, bound before the group forms
+
+
+def bind_rendezvous_store(timeout_s: float = 600.0) -> int:
+    """On the process that will be rank 0, before the group forms: start the group's rendezvous store on a port
+    the system picks as it binds, and return that port (the group's MASTER_PORT). A port chosen first and bound
+    later by ``init_process_group`` can be taken in between by another process; this one is held from here on,
+    and :func:`init_distributed` forms the group on this store."""
+    global _bound_store
+    _bound_store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout_s))
+    return int(_bound_store.port)
+
+
 def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0, device: Optional[str] = None,
                      local_device_index: Optional[int] = None) -> None:
     """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT): the
-    one place megarl does; idempotent. ``device``: "cuda" or "cpu" (default: CUDA when available);
+    one place megarl does, on a TCP store every rank of the group makes here; idempotent. ``device``: "cuda" or "cpu" (default: CUDA when available);
     ``local_device_index``: this rank's GPU (default: LOCAL_RANK).
 
     On CPU the megatron CPU redirections are enabled even when the process group already exists.
@@ -65,13 +79,18 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
         if index is None:
             index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         torch.cuda.set_device(index)
-    dist.init_process_group(
-        backend=backend or ("nccl" if use_cuda else "gloo"),
-        init_method="env://",
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=timedelta(seconds=timeout_s),
-    )
+    global _bound_store
+    rank, world_size, timeout = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timedelta(seconds=timeout_s)
+    # Every rank makes its store here, the same way (rank 0 the server, unless bound already), so that rank 0
+    # can hold its port from the moment it was chosen (bind_rendezvous_store).
+    if _bound_store is not None and rank == 0:
+        store, _bound_store = _bound_store, None  # one group per store
+        store.set_timeout(timeout)
+    else:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                              is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    dist.init_process_group(backend=backend or ("nccl" if use_cuda else "gloo"), store=store, rank=rank,
+                            world_size=world_size, timeout=timeout)
 
 
 def initialize_megatron_parallel(*, layout: ParallelLayout, seed: int = 1234) -> RankInfo:

@@ -53,11 +53,15 @@ class SamplingConfig:
     seed: int | None = None
     logprobs: bool = False
     ignore_eos: bool = False
+    # One seed per prompt, instead of `seed`: sample j of prompt i is drawn with prompt_seeds[i] + j, so what
+    # a prompt gets does not depend on the other prompts of the call (multi-turn waves vary with tool timing).
+    prompt_seeds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience; store tuples so the config stays hashable and frozen.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "prompt_seeds", tuple(int(s) for s in self.prompt_seeds))
         if self.n < 1:
             raise ValueError(f"SamplingConfig.n must be >= 1, got {self.n}")
         if self.temperature < 0.0:
@@ -134,6 +138,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Free every resource; the engine is unusable afterwards."""
+
+
+def check_prompt_seeds(prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> None:
+    if sampling.prompt_seeds and len(sampling.prompt_seeds) != len(prompt_token_ids):
+        raise ValueError(f"SamplingConfig.prompt_seeds has {len(sampling.prompt_seeds)} seeds for "
+                         f"{len(prompt_token_ids)} prompts")
 
 
 def validate_prompts(prompt_token_ids: list[list[int]], vocab_size: int | None) -> None:

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from megarl.engines.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, validate_prompts
+from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
+                                         validate_prompts)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -95,12 +96,17 @@ class HFRolloutEngine(RolloutEngine):
         if sampling.stop and self._load_tokenizer() is None:
             raise ValueError(f"SamplingConfig.stop={sampling.stop!r} needs a tokenizer; none found at "
                              f"{self._tokenizer_path!r}")
+        check_prompt_seeds(prompt_token_ids, sampling)
         rows = [(index, prompt) for index, prompt in enumerate(prompt_token_ids) for _ in range(sampling.n)]
         generator = torch.Generator(device=self.device)
         if sampling.seed is not None:
             generator.manual_seed(sampling.seed)
         else:
             generator.seed()
+        row_generators = None  # prompt_seeds: each row its own stream, whatever else the call holds
+        if sampling.prompt_seeds:
+            row_generators = [torch.Generator(device=self.device).manual_seed(sampling.prompt_seeds[index] + sample)
+                              for index in range(len(prompt_token_ids)) for sample in range(sampling.n)]
         stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else self.eos_token_ids)
 
         input_ids, attention_mask = self._left_pad([prompt for _, prompt in rows])
@@ -119,6 +125,10 @@ class HFRolloutEngine(RolloutEngine):
             token_log_probs = process_logits(out.logits[:, -1, :], sampling)
             if sampling.is_greedy:
                 next_ids = token_log_probs.argmax(dim=-1)
+            elif row_generators is not None:
+                probs = token_log_probs.exp()
+                next_ids = torch.cat([torch.multinomial(probs[row], 1, generator=row_generators[row])
+                                      for row in range(num_rows)])
             else:
                 next_ids = torch.multinomial(token_log_probs.exp(), 1, generator=generator).squeeze(-1)
             chosen = token_log_probs.gather(-1, next_ids.unsqueeze(-1)).squeeze(-1)

@@ -39,7 +39,8 @@ from typing import Optional
 import torch
 
 from megarl.engines.rollout import vllm_compat
-from megarl.engines.rollout.base import RolloutEngine, RolloutOutput, SamplingConfig, validate_prompts
+from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
+                                         validate_prompts)
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
 
 _EXTENSION = "megarl.engines.rollout.vllm_worker_extension.MegarlWeightUpdateExtension"
@@ -186,6 +187,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         self._check_ready("generate")
         validate_prompts(prompt_token_ids, self.vocab_size)
+        check_prompt_seeds(prompt_token_ids, sampling)
         params = [self._sampling_params(sampling, index) for index in range(len(prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
         results = self.llm.generate(prompts, params, use_tqdm=False)
@@ -203,6 +205,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
         # vLLM gives the j-th of n children seed+j; spacing prompts by n keeps every sample's seed unique.
         seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+        if sampling.prompt_seeds:
+            seed = sampling.prompt_seeds[prompt_index]
         return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,

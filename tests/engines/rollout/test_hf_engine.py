@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,6 +89,17 @@ def test_same_seed_same_output_different_seed_differs(engine):
 
     assert run(11) == run(11)
     assert run(11) != run(12)
+
+
+def test_prompt_seeds_make_each_prompts_samples_independent_of_the_rest_of_the_call(engine):
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=6, ignore_eos=True, logprobs=True,
+                              prompt_seeds=(5, 9, 13))
+    together = engine.generate(PROMPTS, sampling)
+    alone = engine.generate(PROMPTS[1:2], replace(sampling, prompt_seeds=(9,)))
+    assert [o.token_ids for o in alone] == [o.token_ids for o in together[2:4]]
+    assert together[2].token_ids != together[3].token_ids  # sample j of a prompt has seed + j
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        engine.generate(PROMPTS, replace(sampling, prompt_seeds=(1, 2)))
 
 
 def test_stop_token_ids_and_model_eos(engine, tiny_qwen2_dir, tmp_path):

@@ -82,6 +82,31 @@ def test_stop_strings_and_stop_ids_match_hf_engine(vllm_engine, hf_engine):
         assert_greedy_match(v, h)
 
 
+def test_prompt_seeds_make_each_prompts_samples_independent_of_the_rest_of_the_call(vllm_engine):
+    from dataclasses import replace
+
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=6, ignore_eos=True, prompt_seeds=(5, 9, 13))
+    together = vllm_engine.generate(PROMPTS, sampling)
+    alone = vllm_engine.generate(PROMPTS[1:2], replace(sampling, prompt_seeds=(9,)))
+    assert [o.token_ids for o in alone] == [o.token_ids for o in together[2:4]]
+    assert together[2].token_ids != together[3].token_ids
+
+
+def test_agent_loop_conversations_hold_the_tool_results_they_were_generated_after(vllm_engine, hf_engine, tmp_path):
+    """Multi-turn rollouts through vLLM: calculator results between the turns (forced calls), each later turn
+    sampled after them (teacher-forced HF log-probs of the whole sequence equal vLLM's per turn)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from megarl.data.tokenizer import write_local_tokenizer
+    from tests.agents.conversation_checks import generate_and_check
+
+    chat_tokenizer = AutoTokenizer.from_pretrained(str(write_local_tokenizer(tmp_path / "chat")))
+    tools = Path(__file__).resolve().parents[3] / "configs" / "tools" / "calculator_python.yaml"
+    generate_and_check(vllm_engine, hf_engine.model, chat_tokenizer, tools, atol=1e-3)
+
+
 def test_sleep_is_refused_on_cpu(vllm_engine, tiny_qwen2_dir):
     assert not vllm_engine.supports_sleep
     with pytest.raises(NotImplementedError, match="CPU"):

@@ -102,3 +102,17 @@ def test_generic_jsonl_through_the_real_cli(tmp_path):
     bad = _jsonl(tmp_path / "bad.jsonl", [{"q": "x", "a": None}])
     assert main(["jsonl", "--input", str(bad), "--output", str(out), "--prompt-field", "q",
                  "--answer-field", "a", "--data-source", "x"]) == 2
+
+
+def test_gsm8k_with_tools_and_a_system_message(tmp_path):
+    from megarl.data.preprocess import GSM8K_TOOLS_SYSTEM
+
+    train = _jsonl(tmp_path / "train.jsonl", GSM8K)
+    assert main(["gsm8k", "--with-tools", "--input", str(train), "--output", str(tmp_path / "tools")]) == 0
+    rows = pq.read_table(tmp_path / "tools" / "train.parquet").to_pylist()
+    assert rows[0]["prompt"][0] == {"role": "system", "content": GSM8K_TOOLS_SYSTEM}
+    assert rows[0]["prompt"][1]["role"] == "user" and len(rows[0]["prompt"]) == 2
+    assert main(["jsonl", "--input", str(train), "--output", str(tmp_path / "own"), "--prompt-field", "question",
+                 "--answer-field", "answer", "--data-source", "x", "--system", "be brief"]) == 0
+    rows = pq.read_table(tmp_path / "own" / "train.parquet").to_pylist()
+    assert rows[1]["prompt"][0] == {"role": "system", "content": "be brief"}

@@ -162,3 +162,22 @@ def test_empty_parquet_says_empty(tmp_path, tokenizer):
     pq.write_table(pq.read_table(path).slice(0, 0), path)  # the same columns, 0 rows
     with pytest.raises(ValueError, match=r"no rows in .*none.parquet.*empty"):
         RLDataset(path, tokenizer, max_prompt_length=64)
+
+
+def test_tool_schemas_are_rendered_into_prompts_and_counted(tmp_path):
+    """Multi-turn rollouts: the tools' schemas reach the chat template (as Qwen's renders them into the system
+    turn), so prompt lengths and the overlong filter see them."""
+    import copy
+
+    tok = AutoTokenizer.from_pretrained(write_local_tokenizer(tmp_path / "tok"))
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{%- if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}"
+                         "{% endfor %}<|im_end|>{{ '\\n' }}{%- endif %}" + tok.chat_template)
+    schema = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    path = _write(tmp_path / "a.parquet", ["copy 37"])
+    with_tools = RLDataset(path, tok, max_prompt_length=64, tools=[schema])
+    assert tok.decode(with_tools[0].input_ids).startswith("<|im_start|>system\ntools: calculator<|im_end|>\n")
+    assert len(with_tools[0].input_ids) == len(RLDataset(path, tok, max_prompt_length=64)[0].input_ids) + 27
+    with pytest.warns(UserWarning, match="filtered 1 of 1"):
+        with pytest.raises(ValueError, match="no prompts left"):
+            RLDataset(path, tok, max_prompt_length=_prompt_len("copy 37"), tools=[schema])
