@@ -1,13 +1,16 @@
-"""Benchmark the streaming checkpoint converters against the disk's raw copy bandwidth.
+"""Benchmark the streaming checkpoint converters against copying the same bytes on the same disk.
 
-    python bench/convert_bench.py [--hf DIR | --size-gb 1.0] [--tp 2] [--workers 1] [--budget-mb 256] [--work DIR]
+    python bench/convert_bench.py [--hf DIR | --size-gb 1.0] [--workers 1] [--budget-mb 256] [--tp 2]
+        [--work DIR] [--json OUT.json]
 
-Without ``--hf`` a synthetic fp32 Llama-layout checkpoint of about ``--size-gb`` is written first. Then,
-on the same disk: (1) raw: copy the checkpoint's safetensors bytes with a buffered 16 MiB read/write loop
-and fsync (what any converter must at least do); (2) hf->mcore and (3) mcore->hf, each in a fresh
-subprocess that reports its wall time and peak RSS above its post-import baseline. Prints a markdown
-table. The page cache is not dropped (that needs root on a shared machine), so reads may be warm for
-all three rows alike.
+Without ``--hf`` a synthetic fp32 Llama-layout checkpoint of about ``--size-gb`` is written first. Then, on the
+same disk and with the same number of processes (``--workers``): (1) ``cp`` of the safetensors files + sync;
+(2) raw: the files copied by ``--workers`` processes with a buffered 16 MiB read/write loop and fsync (what
+any converter must at least do, as parallel as the converter); (3) hf->mcore to megatron's torch_dist format
+(the default); (4) hf->mcore to the per-rank format at ``--tp`` (the previous default); (5) mcore->hf from
+the torch_dist checkpoint. Each conversion runs in a fresh subprocess that reports its wall time and peak RSS
+above its post-import baseline. Prints a markdown table (and JSON with ``--json``). The page cache is not
+dropped (that needs root), so reads may be warm for every row alike.
 """
 
 from __future__ import annotations
@@ -26,22 +29,45 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def raw_copy(src_dir: str, dst_dir: str) -> tuple[int, float]:
-    os.makedirs(dst_dir, exist_ok=True)
-    total, started = 0, time.perf_counter()
+def _copy_files(paths: list[str], dst_dir: str) -> int:
+    total = 0
     buffer = bytearray(16 * 2**20)
     view = memoryview(buffer)
-    for path in sorted(glob.glob(os.path.join(src_dir, "*.safetensors"))):
+    for path in paths:
         with open(path, "rb", buffering=0) as src, open(os.path.join(dst_dir, os.path.basename(path)), "wb") as dst:
             while got := src.readinto(buffer):
                 dst.write(view[:got])
                 total += got
             dst.flush()
             os.fsync(dst.fileno())
+    return total
+
+
+def raw_copy(src_dir: str, dst_dir: str, workers: int = 1) -> tuple[int, float]:
+    """The safetensors files copied by ``workers`` processes (files dealt round-robin)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    os.makedirs(dst_dir, exist_ok=True)
+    paths = sorted(glob.glob(os.path.join(src_dir, "*.safetensors")))
+    started = time.perf_counter()
+    if workers <= 1:
+        total = _copy_files(paths, dst_dir)
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            total = sum(pool.map(_copy_files, [paths[i::workers] for i in range(workers)], [dst_dir] * workers))
     return total, time.perf_counter() - started
 
 
-def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int) -> None:
+def cp_copy(src_dir: str, dst_dir: str) -> tuple[int, float]:
+    os.makedirs(dst_dir, exist_ok=True)
+    paths = sorted(glob.glob(os.path.join(src_dir, "*.safetensors")))
+    started = time.perf_counter()
+    subprocess.run(["cp", *paths, dst_dir], check=True)
+    subprocess.run(["sync"], check=True)
+    return sum(os.path.getsize(p) for p in paths), time.perf_counter() - started
+
+
+def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int, part: int) -> None:
     import torch
 
     import megarl.models.bridge  # noqa: F401
@@ -49,68 +75,117 @@ def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int
     from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
     from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
 
+    from megarl.models.convert.memory import largest_child_peak_rss_bytes
+
     meta = torch.empty(4, 4, device="meta")  # torch's one-off meta-kernel registration is baseline
     torch.cat([meta, meta]).chunk(2)[0].contiguous()
     baseline = current_rss_bytes()
     started = time.perf_counter()
-    if direction == "hf_to_mcore":
-        convert_hf_to_mcore(src, dst, tp=tp, workers=workers, memory_budget_bytes=budget, max_file_bytes=budget)
+    if direction == "hf_to_torch_dist":
+        convert_hf_to_mcore(src, dst, workers=workers, memory_budget_bytes=budget, max_file_bytes=part)
+    elif direction == "hf_to_per_rank":
+        convert_hf_to_mcore(src, dst, tp=tp, workers=workers, memory_budget_bytes=budget, max_file_bytes=part,
+                            format="per_rank")
     else:
-        convert_mcore_to_hf(src, dst, max_shard_bytes=budget, workers=workers)
-    print(json.dumps({"seconds": time.perf_counter() - started, "rss_over_baseline": peak_rss_bytes() - baseline}))
+        convert_mcore_to_hf(src, dst, max_shard_bytes=part, workers=workers)
+    print(json.dumps({"seconds": time.perf_counter() - started, "rss_over_baseline": peak_rss_bytes() - baseline,
+                      "largest_worker_peak_rss": largest_child_peak_rss_bytes()}))
 
 
 def run_child(*args) -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *map(str, args)],
-                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=REPO))
+                          capture_output=True, text=True, env=child_env())
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "**", "*.safetensors"), recursive=True))
+def dir_bytes(path: str, pattern: str = "*.safetensors") -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "**", pattern), recursive=True))
+
+
+
+def child_env() -> dict:
+    """This environment with the repository first on PYTHONPATH (what is already there kept)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        d, src, dst, tp, workers, budget = sys.argv[2:8]
-        return child(d, src, dst, int(tp), int(workers), int(budget))
+        d, src, dst, tp, workers, budget, part = sys.argv[2:9]
+        return child(d, src, dst, int(tp), int(workers), int(budget), int(part))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", default=None)
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--budget-mb", type=int, default=256)
+    parser.add_argument("--budget-mb", type=int, default=256, help="the conversions' memory budget")
+    parser.add_argument("--part-mb", type=int, default=None,
+                        help="torch_dist parts / per-rank files / HF shards of this size (default: the budget)")
+    parser.add_argument("--hidden-size", type=int, default=512, help="synthetic model shape (4096 for an 8B-like)")
+    parser.add_argument("--intermediate-size", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     work = args.work or tempfile.mkdtemp(prefix="convert_bench_")
     budget = args.budget_mb * 2**20
+    part = (args.part_mb or args.budget_mb) * 2**20
     try:
         hf = args.hf
         if hf is None:
             from megarl.models.convert.synthetic import write_synthetic_llama_checkpoint
 
+            import torch
+
             hf = os.path.join(work, "hf")
-            layers = max(1, round(args.size_gb * 1e9 / 15.8e6))  # ~15.8 MB per layer at hidden 512 fp32
-            write_synthetic_llama_checkpoint(hf, num_layers=layers)
+            h, f, v = args.hidden_size, args.intermediate_size, args.vocab_size
+            dtype = getattr(torch, args.dtype)
+            width = torch.empty((), dtype=dtype).element_size()
+            heads = max(1, h // 128)
+            per_layer = (2 * h * h + 2 * h * (h * max(1, heads // 4) // heads) + 3 * h * f + 2 * h) * width
+            layers = max(1, round((args.size_gb * 1e9 - 2 * v * h * width) / per_layer))
+            write_synthetic_llama_checkpoint(hf, hidden_size=h, intermediate_size=f, vocab_size=v, num_layers=layers,
+                                             num_heads=heads, num_kv_heads=max(1, heads // 4), dtype=dtype,
+                                             shard_bytes=4 * 10**9 if h >= 2048 else 256 * 2**20)
         size = dir_bytes(hf)
-        raw_bytes, raw_s = raw_copy(hf, os.path.join(work, "raw"))
-        to_mcore = run_child("hf_to_mcore", hf, os.path.join(work, "mc"), args.tp, args.workers, budget)
-        to_hf = run_child("mcore_to_hf", os.path.join(work, "mc"), os.path.join(work, "back"), args.tp,
-                          args.workers, budget)
+        cp_bytes, cp_s = cp_copy(hf, os.path.join(work, "cp"))
+        raw_bytes, raw_s = raw_copy(hf, os.path.join(work, "raw"), args.workers)
+        shutil.rmtree(os.path.join(work, "cp"))
+        shutil.rmtree(os.path.join(work, "raw"))
+        to_dist = run_child("hf_to_torch_dist", hf, os.path.join(work, "td"), args.tp, args.workers, budget, part)
+        to_rank = run_child("hf_to_per_rank", hf, os.path.join(work, "mc"), args.tp, args.workers, budget, part)
+        shutil.rmtree(os.path.join(work, "mc"))
+        to_hf = run_child("mcore_to_hf", os.path.join(work, "td"), os.path.join(work, "back"), args.tp,
+                          args.workers, budget, part)
         raw_gbs = raw_bytes / raw_s / 1e9
-        rows = [("raw buffered copy + fsync", raw_bytes, raw_s, None),
-                (f"hf_to_mcore tp={args.tp}", size, to_mcore["seconds"], to_mcore["rss_over_baseline"]),
-                ("mcore_to_hf", dir_bytes(os.path.join(work, "back")), to_hf["seconds"], to_hf["rss_over_baseline"])]
+        rows = [("cp + sync", cp_bytes, cp_s, None),
+                (f"raw copy, {args.workers} process(es) + fsync", raw_bytes, raw_s, None),
+                ("hf_to_mcore torch_dist (default)", size, to_dist["seconds"], to_dist["rss_over_baseline"]),
+                (f"hf_to_mcore per_rank tp={args.tp}", size, to_rank["seconds"], to_rank["rss_over_baseline"]),
+                ("mcore_to_hf from torch_dist", dir_bytes(os.path.join(work, "back")), to_hf["seconds"],
+                 to_hf["rss_over_baseline"])]
         print(f"checkpoint: {size / 1e9:.2f} GB in {len(glob.glob(os.path.join(hf, '*.safetensors')))} files; "
-              f"workers={args.workers}; budget={args.budget_mb} MiB\n")
+              f"workers={args.workers}; budget={args.budget_mb} MiB; cores={os.cpu_count()}\n")
         print("| step | GB | seconds | GB/s | vs raw | peak RSS over baseline |")
         print("| --- | --- | --- | --- | --- | --- |")
+        table = []
         for name, nbytes, seconds, rss in rows:
             gbs = nbytes / seconds / 1e9
-            rss_text = "-" if rss is None else f"{rss / 2**20:.0f} MiB"
+            rss_text = "-" if rss is None else f"{rss / 2**20:.0f} MiB"  # the converting process (workers=1)
             print(f"| {name} | {nbytes / 1e9:.2f} | {seconds:.1f} | {gbs:.3f} | {gbs / raw_gbs:.2f}x | {rss_text} |")
+            table.append({"step": name, "bytes": nbytes, "seconds": seconds, "gb_per_s": gbs,
+                          "vs_raw": gbs / raw_gbs, "rss_over_baseline": rss})
+        workers_peak = {"hf_to_torch_dist": to_dist["largest_worker_peak_rss"],
+                        "hf_to_per_rank": to_rank["largest_worker_peak_rss"],
+                        "mcore_to_hf": to_hf["largest_worker_peak_rss"]}
+        if args.workers > 1:
+            print("\nlargest worker's peak RSS (MiB): " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in workers_peak.items()))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"workers": args.workers, "cores": os.cpu_count(), "size_bytes": size, "rows": table,
+                           "largest_worker_peak_rss": workers_peak, "args": vars(args)}, handle, indent=1)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -88,7 +88,7 @@ def _run_child(hf_cfg: dict, shape: dict) -> dict:
     from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
     from megarl.batch import TrainBatch
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.cpu_compat import enable_cpu_compat
+    from megarl.models.cpu_compat import enable_cpu_compat
     from megarl.engines.megatron.parallel import ParallelLayout
     from megarl.models.bridge import ModelBridge
 

@@ -1,10 +1,15 @@
-"""Convert a Hugging Face safetensors checkpoint to megarl's per-rank megatron format (streaming).
+"""Convert a Hugging Face safetensors checkpoint to megatron's format (streaming, memory-bounded, resumable).
 
-    python converters/hf_to_mcore.py --hf <hf_dir> --out <mcore_dir> --tp 2 --pp 2 --ep 1 \
-        [--workers 4] [--memory-budget-gb 16] [--dtype bfloat16] [--spec local] [--max-file-size 4GB]
+    python converters/hf_to_mcore.py --hf <hf_dir> --out <mcore_dir> [--workers 8] [--memory-budget-gb 16]
+        [--dtype bfloat16] [--max-file-size 4GB]
+    python converters/hf_to_mcore.py --format per_rank --tp 2 --pp 2 --ep 1 --hf <hf_dir> --out <dir>
 
-Rerunning the same command after an interruption resumes (finished files are kept). The library code
-is :mod:`megarl.models.convert.hf_to_mcore`; the format is :mod:`megarl.models.mcore_checkpoint`.
+The default ``--format torch_dist`` writes megatron-core's dist-checkpointing format, the one Megatron-LM's
+``--load`` and ``dist_checkpointing.load`` read: ``<out>/iter_0000000/`` and
+``<out>/latest_checkpointed_iteration.txt``; models at any TP/PP/EP load it (megarl: set
+``actor_rollout_ref.actor.megatron.use_dist_checkpointing=true`` and ``dist_checkpointing_path=<out>``).
+``per_rank`` writes megarl's per-rank safetensors, fixed to ``--tp/--pp/--ep``. Rerunning the same command
+after an interruption resumes (finished parts are kept). Library code: :mod:`megarl.models.convert.hf_to_mcore`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     parser.add_argument("--out", required=True, help="output directory for the megatron checkpoint")
+    parser.add_argument("--format", choices=("torch_dist", "per_rank"), default="torch_dist",
+                        help="torch_dist: megatron dist-checkpointing, loads at any layout (default); "
+                             "per_rank: megarl's per-rank files for --tp/--pp/--ep")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
@@ -33,7 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating tensors (default: keep HF dtypes; FP8 becomes bfloat16)")
     parser.add_argument("--spec", choices=("local", "te"), default="local", help="megatron layer spec names")
-    parser.add_argument("--max-file-size", default="4GB", help="split a rank's weights into files of this size")
+    parser.add_argument("--max-file-size", default="4GB",
+                        help="torch_dist: parts of about this size; per_rank: split a rank's weights into such files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -46,7 +55,7 @@ def main(argv=None) -> int:
     convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,
                         dtype=getattr(torch, DTYPES[args.dtype]) if args.dtype else None, spec=args.spec,
                         workers=args.workers, memory_budget_bytes=budget,
-                        max_file_bytes=parse_size(args.max_file_size))
+                        max_file_bytes=parse_size(args.max_file_size), format=args.format)
     return 0
 
 

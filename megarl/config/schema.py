@@ -73,6 +73,10 @@ class MegatronConfig:
     recompute_method: Optional[str] = None  # uniform | block
     recompute_num_layers: Optional[int] = None
     seed: int = 42
+    # Start from a megatron torch_dist checkpoint (converters/hf_to_mcore.py's output, or a Megatron-LM save)
+    # instead of the HF weights; any layout loads it. The HF model path still gives config and tokenizer.
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: Optional[str] = None
 
 
 @dataclass

@@ -75,6 +75,12 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: st
                           f"which has no sequence-parallel norm: set {prefix}.sequence_parallel=false")
     if m.sequence_parallel and m.tensor_model_parallel_size == 1:
         raise ConfigError(f"{prefix}.sequence_parallel needs tensor_model_parallel_size > 1")
+    if m.use_dist_checkpointing and not m.dist_checkpointing_path:
+        raise ConfigError(f"{prefix}.use_dist_checkpointing=true needs {prefix}.dist_checkpointing_path (a "
+                          f"torch_dist checkpoint, e.g. converters/hf_to_mcore.py's output)")
+    if m.use_dist_checkpointing and prefix != "actor_rollout_ref.actor.megatron":
+        raise ConfigError(f"{prefix}.use_dist_checkpointing: only the actor (and its reference) start from a "
+                          f"torch_dist checkpoint; the {prefix.split('.')[0]} loads the HF weights and its own head")
     return dp
 
 

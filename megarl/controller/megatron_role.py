@@ -43,9 +43,16 @@ class MegatronRole:
         return build
 
     def _load_hf(self, engine) -> None:
-        from megarl.models.hf_checkpoint import load_hf_weights
+        """The initial weights: the HF checkpoint, or (``megatron.use_dist_checkpointing``) a torch_dist
+        checkpoint at whatever layout it was written, resharded by megatron onto this one."""
+        if self.megatron.use_dist_checkpointing:
+            from megarl.engines.megatron.checkpoint import load_checkpoint
 
-        load_hf_weights([unwrap_model(chunk) for chunk in engine.model], self.model_path, self.bridge)
+            load_checkpoint(engine, self.megatron.dist_checkpointing_path, load_optimizer=False, load_rng=False)
+        else:
+            from megarl.models.hf_checkpoint import load_hf_weights
+
+            load_hf_weights([unwrap_model(chunk) for chunk in engine.model], self.model_path, self.bridge)
         if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
             engine.optimizer.reload_model_params()
 

@@ -20,6 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from megarl.engines.megatron.checkpoint import has_complete_checkpoint
+
 MARKER = "latest_checkpointed_iteration.txt"
 
 
@@ -72,10 +74,10 @@ class CheckpointManager:
 
     def commit(self, step: int, staging: Path, trainer_state: dict, *, roles: tuple[str, ...] = ()) -> Path:
         """Make ``staging`` the checkpoint of ``step``. Each of ``roles`` (subdirectories written by the workers)
-        must hold a complete engine checkpoint (its ``latest`` marker, written last by the engine): a worker that
+        must hold a complete engine checkpoint (its tracker file, written last by the engine): a worker that
         wrote somewhere else must not leave a committed checkpoint without its state."""
         for role in roles:
-            if not (staging / role / "latest").is_file():
+            if not has_complete_checkpoint(str(staging / role)):
                 raise RuntimeError(
                     f"checkpoint of step {step} not committed: {staging / role} holds no complete {role} state. The "
                     f"workers must see trainer.default_local_dir={self.root.parent} at the same path as the driver "

@@ -27,7 +27,7 @@ def test_converted_checkpoint_matches_hf_logits(layout_name, tmp_path):
     ckpts, tokens, expected = {}, {}, {}
     for arch in archs:
         hf_dir = save_tiny_hf_checkpoint(arch, tmp_path / arch / "hf", seed=7)
-        convert_hf_to_mcore(hf_dir, tmp_path / arch / "mc", **sizes)
+        convert_hf_to_mcore(hf_dir, tmp_path / arch / "mc", **sizes, format="per_rank")
         ckpts[arch] = str(tmp_path / arch / "mc")
         tokens[arch] = sample_tokens(250)
         expected[arch] = hf_logits(hf_dir, tokens[arch])
@@ -52,7 +52,7 @@ def test_strict_loader_names_missing_and_misshapen_tensors(tmp_path):
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("llama", tmp_path / "hf", seed=7)
-    convert_hf_to_mcore(hf_dir, tmp_path / "mc", tp=2)
+    convert_hf_to_mcore(hf_dir, tmp_path / "mc", tp=2, format="per_rank")
     for errors in run_distributed(mcore_load_workers.strict_load_errors, 2, str(tmp_path / "mc"), timeout_s=180):
         assert len(errors) == 2
         assert "missing from checkpoint: ['decoder.layers.2." in errors[0]

@@ -37,7 +37,7 @@ def test_hf_mcore_hf_roundtrip_is_bit_exact(arch, tmp_path):
     source = save_tiny_hf_checkpoint(arch, tmp_path / "hf", seed=3, **overrides)
     with open(os.path.join(source, "model.safetensors.index.json")) as handle:
         assert len(set(json.load(handle)["weight_map"].values())) >= 3  # really several input shards
-    convert_hf_to_mcore(source, tmp_path / "mc", tp=tp, pp=pp, ep=ep, max_file_bytes=40_000)
+    convert_hf_to_mcore(source, tmp_path / "mc", tp=tp, pp=pp, ep=ep, max_file_bytes=40_000, format="per_rank")
     assert validate_mcore_checkpoint(tmp_path / "mc") == []
     metadata = read_metadata(tmp_path / "mc")
     assert (metadata.tp, metadata.pp, metadata.ep) == (tp, pp, ep)
@@ -67,7 +67,7 @@ def test_non_expert_tensors_live_only_under_ep0(tmp_path):
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     source = save_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=4)
-    convert_hf_to_mcore(source, tmp_path / "mc", tp=1, ep=2)
+    convert_hf_to_mcore(source, tmp_path / "mc", tp=1, ep=2, format="per_rank")
     ranks = read_metadata(tmp_path / "mc").raw["ranks"]
     ep1 = ranks["mp_rank_00_000_001"]["tensors"]
     assert ep1 and all(info["expert"] for info in ep1.values())
@@ -84,7 +84,7 @@ def test_validator_and_loader_refuse_damaged_checkpoints(tmp_path):
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     source = save_tiny_hf_checkpoint("llama", tmp_path / "hf", seed=2)
-    convert_hf_to_mcore(source, tmp_path / "mc", tp=2)
+    convert_hf_to_mcore(source, tmp_path / "mc", tp=2, format="per_rank")
     victim = tmp_path / "mc" / "mp_rank_01_000_000" / "model.safetensors"
     data = bytearray(victim.read_bytes())
     data[-5] ^= 0xFF
@@ -99,4 +99,4 @@ def test_validator_and_loader_refuse_damaged_checkpoints(tmp_path):
     with pytest.raises(ValueError, match="not marked complete"):
         read_metadata(tmp_path / "mc")
     with pytest.raises(FileExistsError, match="already holds a finished checkpoint"):
-        convert_hf_to_mcore(source, tmp_path / "mc", tp=2)
+        convert_hf_to_mcore(source, tmp_path / "mc", tp=2, format="per_rank")

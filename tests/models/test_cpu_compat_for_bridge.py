@@ -6,7 +6,7 @@ pieces are checked directly, without enabling the global patches in the pytest p
 
 import torch
 
-from megarl.engines.megatron import cpu_compat
+from megarl.models import cpu_compat
 
 
 def test_new_patches_are_registered():

@@ -75,16 +75,17 @@ def test_multi_turn_one_step_off_checkpoints_the_conversations_in_flight_and_res
         reward = tmp_path / f"reward_{stop}.py"
         reward.write_text(STOPPING_REWARD.format(stop=stop))
         return _config(out, "trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",
-                       "async_training.mode=one_step_off", "trainer.test_freq=-1", "trainer.total_training_steps=4",
+                       "async_training.mode=one_step_off", "trainer.test_freq=-1", "trainer.total_training_steps=3",
+                       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                        f"reward_model.custom_function.path={reward}")
 
     straight = run(config(tmp_path / "straight", -1))
-    assert [h["rollout/weight_lag"] for h in straight] == [0.0, 1.0, 1.0, 1.0]
-    stopped = run(config(tmp_path / "stopped", 16 * 8 + 1))  # while scoring step 2
+    assert [h["rollout/weight_lag"] for h in straight] == [0.0, 1.0, 1.0]
+    stopped = run(config(tmp_path / "stopped", 8 * 8 + 1))  # while scoring step 2
     assert [h["step"] for h in stopped] == [1, 2]
     assert (tmp_path / "stopped" / "checkpoints" / "global_step_2" / "in_flight_rollout.pt").is_file()
     resumed = run(config(tmp_path / "stopped", -1))
-    assert [h["step"] for h in resumed] == [3, 4]
+    assert [h["step"] for h in resumed] == [3]
     for want, got in zip(straight[2:], resumed):
         for key in ("critic/score/mean", "agent/turns/mean", "agent/tool_calls/mean", "actor/pg_loss",
                     "rollout/log_prob_diff_mean"):

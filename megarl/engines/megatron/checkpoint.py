@@ -3,10 +3,11 @@
 Layout under ``root``::
 
     root/iter_0000012/        one dist-checkpoint: model chunks, optimizer, LR scheduler, per-rank RNG
-    root/latest               text file with the step of the newest complete checkpoint (written last)
+    root/latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (written last;
+                                             Megatron-LM's tracker file, so Megatron-LM's --load reads root)
 
 A save writes into ``root/.tmp_iter_XXXXXXX``, and after every rank finished, global rank 0 renames it to
-``iter_XXXXXXX`` (one atomic rename) and then replaces ``latest`` atomically; an interrupted save leaves
+``iter_XXXXXXX`` (one atomic rename) and then replaces the tracker file atomically; an interrupted save leaves
 only a ``.tmp_*`` directory, which loading never looks at. ``root`` must be a filesystem shared by all
 ranks. Strategy: megatron's ``torch_dist`` format (torch.distributed.checkpoint) for the sharded tensors,
 written in process (:func:`in_process_save_strategy`), which works on CPU/gloo as well as on GPU/NCCL;
@@ -24,13 +25,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.engines.megatron.cpu_compat import cuda_tensors_on_cpu
+from megarl.models.cpu_compat import cuda_tensors_on_cpu
 
-_LATEST = "latest"
+_LATEST = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker file
+_OLD_LATEST = "latest"  # what megarl wrote before; still read
 
 
 def _iter_dir(step: int) -> str:
-    return f"iter_{step:07d}"
+    return "release" if step == RELEASE else f"iter_{step:07d}"
 
 
 def _unwrap(chunk):
@@ -149,7 +151,7 @@ def in_process_save_strategy():
 
 
 def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
-    """Collective over all ranks: write ``root/iter_<step>`` and point ``latest`` at it. Returns its path.
+    """Collective over all ranks: write ``root/iter_<step>`` and point the tracker file at it. Returns its path.
     ``before_commit()`` runs on every rank once the shards are written and before the rename (a test's
     crash point: the hardest moment to die)."""
     from megatron.core import dist_checkpointing
@@ -183,15 +185,27 @@ def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
 
 
 def latest_step(root: str) -> Optional[int]:
-    """The step named by ``root/latest``, or None when no complete checkpoint exists."""
-    path = os.path.join(root, _LATEST)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{path}: expected an integer step, found {text!r}") from None
+    """The step named by ``root``'s tracker file (Megatron-LM's ``latest_checkpointed_iteration.txt``, or
+    ``latest``), or None when no complete checkpoint exists."""
+    for marker in (_LATEST, _OLD_LATEST):
+        path = os.path.join(root, marker)
+        if not os.path.exists(path):
+            continue
+        text = open(path).read().strip()
+        if text == "release":  # Megatron-LM's name for a converted checkpoint's only iteration
+            return RELEASE
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{path}: expected an integer step, found {text!r}") from None
+    return None
+
+
+RELEASE = -1  # latest_step's answer for Megatron-LM's release/ directory
+
+
+def has_complete_checkpoint(root: str) -> bool:
+    return latest_step(root) is not None
 
 
 _SCHEDULE_FIELDS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
@@ -211,7 +225,9 @@ def _report_schedule_changes(scheduler, saved: dict, path: str) -> None:
 
 def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optimizer: bool = True,
                     load_rng: bool = True) -> int:
-    """Collective: restore ``engine`` from ``root`` (``latest`` when ``step`` is None). Returns the step.
+    """Collective: restore ``engine`` from ``root`` (its tracker file's step when ``step`` is None). Returns the
+    step. ``root`` may be any torch_dist checkpoint directory with a tracker file: megarl's, Megatron-LM's, or
+    converters/hf_to_mcore.py's output.
 
     A frozen engine (reference) or ``load_optimizer=False`` loads weights only; RNG states are restored only
     when the checkpoint was written at the same TP/PP layout.

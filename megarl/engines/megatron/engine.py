@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.batch import TrainBatch
-from megarl.engines.megatron.cpu_compat import cuda_tensors_on_cpu
+from megarl.models.cpu_compat import cuda_tensors_on_cpu
 from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
 from megarl.engines.megatron.packing import (
     pack_rows,

@@ -2,7 +2,7 @@
 
 The worker already has RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in its environment (set by the
 controller, or by the multi-process test harness). This module picks the backend (nccl on GPU, gloo on
-CPU, where it also enables :mod:`megarl.engines.megatron.cpu_compat`), creates megatron's TP/PP/CP/EP/DP
+CPU, where it also enables :mod:`megarl.models.cpu_compat`), creates megatron's TP/PP/CP/EP/DP
 groups and seeds the model-parallel RNG. It does not build models.
 """
 
@@ -69,7 +69,7 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
     """
     use_cuda = device == "cuda" if device is not None else torch.cuda.is_available()
     if not use_cuda:
-        from megarl.engines.megatron.cpu_compat import enable_cpu_compat
+        from megarl.models.cpu_compat import enable_cpu_compat
 
         enable_cpu_compat()
     if dist.is_initialized():

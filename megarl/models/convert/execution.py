@@ -27,7 +27,7 @@ import multiprocessing as mp
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from megarl.models.convert.safetensors_stream import PlannedTensor, fsync_directory
 

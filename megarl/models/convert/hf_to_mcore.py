@@ -103,6 +103,17 @@ def _sources_for(bridge, global_name: str, locations: dict[str, TensorLocation])
     return tuple(sources)
 
 
+def _planned(bridge, global_name: str, locations: dict[str, TensorLocation], options: ConversionOptions,
+             consumed: set[str]) -> tuple[tuple[Source, ...], torch.Tensor]:
+    """A global parameter's HF sources (noted in ``consumed``) and, on the meta device, the full tensor they make."""
+    sources = _sources_for(bridge, global_name, locations)
+    consumed.update(s.hf_name for s in sources)
+    consumed.update(s.scale.name for s in sources if s.scale is not None)
+    metas = {s.hf_name: torch.empty(s.location.shape, dtype=_output_dtype(s.location, options), device="meta")
+             for s in sources}
+    return sources, bridge.hf_to_mcore(global_name, metas)
+
+
 def _check_all_consumed(bridge, locations: dict[str, TensorLocation], consumed: set[str]) -> None:
     leftovers = sorted(set(locations) - consumed)
     skipped_mtp = [n for n in leftovers if bridge.is_skipped_hf_name(n)]
@@ -123,12 +134,7 @@ def plan_hf_to_mcore(bridge, locations: dict[str, TensorLocation], options: Conv
     per_unit: dict[tuple[int, int], list[tuple[Entry, list[PlannedTensor]]]] = {}
     consumed: set[str] = set()
     for global_name in bridge.iter_global_mcore_names():
-        sources = _sources_for(bridge, global_name, locations)
-        consumed.update(s.hf_name for s in sources)
-        consumed.update(s.scale.name for s in sources if s.scale is not None)
-        metas = {s.hf_name: torch.empty(s.location.shape, dtype=_output_dtype(s.location, options), device="meta")
-                 for s in sources}
-        full = bridge.hf_to_mcore(global_name, metas)
+        sources, full = _planned(bridge, global_name, locations, options, consumed)
         shards = [bridge.shard_tp(global_name, full, r, tp) for r in range(tp)]
         full_nbytes = full.numel() * full.element_size()
         for placement in place_global_tensor(bridge, global_name, pp=pp, ep=ep):
@@ -158,7 +164,8 @@ def plan_hf_to_mcore(bridge, locations: dict[str, TensorLocation], options: Conv
 
 
 def peak_bytes_per_worker(tasks: list[Task]) -> int:
-    largest = max(entry.full_nbytes for task in tasks for entry in task.payload)
+    largest = max(entry.full_nbytes for task in tasks
+                  for entry in (task.payload.entries if isinstance(task.payload, PartPayload) else task.payload))
     return TRANSIENT_COPIES * largest
 
 
@@ -215,16 +222,42 @@ def _copy_hf_assets(hf_dir: str, out_dir: str) -> list[str]:
     return copied
 
 
+def _workers_within_budget(tasks: list[Task], workers: int, memory_budget_bytes: Optional[int]) -> int:
+    per_worker = peak_bytes_per_worker(tasks)
+    if memory_budget_bytes is None:
+        return workers
+    if per_worker > memory_budget_bytes:
+        raise ValueError(f"memory budget {memory_budget_bytes / 2**20:.0f} MiB is below what one worker needs "
+                         f"(~{per_worker / 2**20:.0f} MiB: {TRANSIENT_COPIES}x the largest parameter)")
+    fitting = max(1, memory_budget_bytes // per_worker)
+    if fitting < workers:
+        logger.info("memory budget allows %d concurrent worker(s), not %d", fitting, workers)
+    return int(min(workers, fitting))
+
+
+FORMATS = ("torch_dist", "per_rank")
+
+
 def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
                         ep: int = 1, dtype: Optional[torch.dtype] = None, spec: str = "local", workers: int = 1,
-                        memory_budget_bytes: Optional[int] = None, max_file_bytes: int = 4 * 10**9) -> dict:
-    """Convert; returns the metadata written. Resumes an interrupted run into the same ``out_dir``."""
+                        memory_budget_bytes: Optional[int] = None, max_file_bytes: int = 4 * 10**9,
+                        format: str = "torch_dist") -> dict:
+    """Convert; returns the metadata written. Resumes an interrupted run into the same ``out_dir``.
+
+    ``format="torch_dist"`` (the default): megatron-core's dist-checkpointing format, one checkpoint any
+    TP/PP/EP layout loads (``tp``/``pp``/``ep`` are not used); ``per_rank``: megarl's own per-rank
+    safetensors, fixed to ``tp``/``pp``/``ep`` (see :mod:`megarl.models.mcore_checkpoint`)."""
     hf_dir, out_dir = os.fspath(hf_dir), os.fspath(out_dir)
     for value, what in ((tp, "tp"), (pp, "pp"), (ep, "ep"), (workers, "workers")):
         if value < 1:
             raise ValueError(f"{what} must be >= 1, got {value}")
     if spec not in ("local", "te"):
         raise ValueError(f"spec must be 'local' or 'te', got {spec!r}")
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == "torch_dist":
+        return _convert_to_torch_dist(hf_dir, out_dir, dtype=dtype, workers=workers,
+                                      memory_budget_bytes=memory_budget_bytes, max_file_bytes=max_file_bytes)
     meta_path = os.path.join(out_dir, fmt.METADATA_FILE)
     if os.path.isfile(meta_path):
         raise FileExistsError(f"{meta_path} exists: {out_dir} already holds a finished checkpoint")
@@ -235,15 +268,7 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     local_experts = num_local_experts(bridge.dims.num_experts, ep)
     locations = index_hf_safetensors(hf_dir)
     tasks = plan_hf_to_mcore(bridge, locations, options)
-    per_worker = peak_bytes_per_worker(tasks)
-    if memory_budget_bytes is not None:
-        if per_worker > memory_budget_bytes:
-            raise ValueError(f"memory budget {memory_budget_bytes / 2**20:.0f} MiB is below what one worker needs "
-                             f"(~{per_worker / 2**20:.0f} MiB: {TRANSIENT_COPIES}x the largest parameter)")
-        fitting = max(1, memory_budget_bytes // per_worker)
-        if fitting < workers:
-            logger.info("memory budget allows %d concurrent worker(s), not %d", fitting, workers)
-            workers = int(fitting)
+    workers = _workers_within_budget(tasks, workers, memory_budget_bytes)
     plan_hash = hash_plan(tasks, {"direction": "hf_to_mcore", "options": options.__dict__, "sources": sorted(
         (loc.name, os.path.basename(loc.path), loc.start, loc.end) for loc in locations.values())})
     stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
@@ -283,3 +308,118 @@ def _metadata(bridge, hf_config, options, stages, local_experts, tasks, records,
         "non_expert_storage": "ep0", "dtypes": sorted(dtypes), "dequantized_fp8": fp8,
         "hf_assets": assets, "ranks": ranks, "complete": True,
     }
+
+
+# ---------------------------------------------------------------------------------------- torch_dist
+CONVERSION_FILE = "megarl_conversion.json"  # beside Megatron-LM's tracker: what mcore_to_hf needs to go back
+
+
+@dataclass(frozen=True)
+class PartPayload:
+    entries: tuple[Entry, ...]  # the parameters of this part, in order
+    items: tuple  # their TensorItems (megatron's chunks), in the same order
+    objects: tuple  # megatron's ShardedObjects (the first part carries them)
+    dtypes: dict  # parameter -> dtype written
+
+
+def plan_torch_dist(bridge, layout, locations: dict[str, TensorLocation], options: ConversionOptions) -> list[Task]:
+    """Tasks that each write one part of the checkpoint: whole parameters, about ``max_file_bytes`` each."""
+    from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR
+
+    by_param = layout.items_of()
+    consumed: set[str] = set()
+    parts: list[list[tuple[Entry, torch.dtype]]] = [[]]
+    part_bytes = 0
+    for name in bridge.iter_global_mcore_names():
+        sources, full = _planned(bridge, name, locations, options, consumed)
+        expected = layout.param_shapes[name]
+        if tuple(full.shape) != tuple(expected):
+            raise ValueError(f"{name}: the HF tensors {[s.hf_name for s in sources]} make a {tuple(full.shape)} "
+                             f"tensor, but config.json describes {tuple(expected)}: config and weights do not match")
+        nbytes = full.numel() * full.element_size()
+        if parts[-1] and part_bytes + nbytes > options.max_file_bytes:
+            parts.append([])
+            part_bytes = 0
+        parts[-1].append((Entry(name, name, sources, nbytes), full.dtype))
+        part_bytes += nbytes
+    _check_all_consumed(bridge, locations, consumed)
+    tasks = []
+    for index, part in enumerate(parts):
+        dtypes = {entry.global_name: dtype for entry, dtype in part}
+        items = tuple(item for entry, _ in part for item in by_param[entry.global_name])
+        planned = tuple(PlannedTensor(f"{item.key}@{list(item.offset)}", dtypes[item.param], item.chunk_shape)
+                        for item in items)
+        name = f"part{index:05d}"
+        tasks.append(Task(name, (OutputFile(f"{ITERATION_DIR}/{PARTS_DIR}/{name}/.metadata", planned),),
+                          PartPayload(tuple(e for e, _ in part), items, tuple(layout.objects) if index == 0 else (),
+                                      dtypes)))
+    return tasks
+
+
+def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
+    import zlib
+
+    from megarl.models.convert.torch_dist import write_part
+
+    (out,) = task.files
+    payload: PartPayload = task.payload
+    entries = {entry.global_name: entry for entry in payload.entries}
+    current: dict[str, torch.Tensor] = {}
+
+    def produce(item) -> torch.Tensor:
+        if item.param not in current:  # parameters come one after another: one is held at a time
+            current.clear()
+            entry = entries[item.param]
+            hf_tensors = {s.hf_name: _load_source(s, context) for s in entry.sources}
+            current[item.param] = context.bridge.hf_to_mcore(item.param, hf_tensors).contiguous()
+        chunk = item.take(current[item.param])
+        note_tensor_written()
+        return chunk
+
+    part_dir = os.path.join(context.out_dir, os.path.dirname(out.rel_path))
+    write_part(part_dir, list(payload.items), payload.dtypes, list(payload.objects), produce)
+    with open(os.path.join(context.out_dir, out.rel_path), "rb") as handle:
+        data = handle.read()
+    return [(out.rel_path, len(data), zlib.crc32(data))]
+
+
+def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.dtype], workers: int,
+                           memory_budget_bytes: Optional[int], max_file_bytes: int) -> dict:
+    from megarl.models.convert.torch_dist import (
+        ITERATION_DIR, PARTS_DIR, TRACKER_FILE, checkpoint_layout, mark_latest, merge_parts,
+    )
+
+    if os.path.isfile(os.path.join(out_dir, TRACKER_FILE)):
+        raise FileExistsError(f"{os.path.join(out_dir, TRACKER_FILE)} exists: {out_dir} already holds a finished "
+                              f"checkpoint")
+    hf_config = read_hf_config_dict(hf_dir)
+    options = ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype, spec="local", max_file_bytes=max_file_bytes)
+    bridge = _bridge(hf_config, "local")  # the checkpoint's keys are the same for the TE spec
+    layout = checkpoint_layout(bridge)
+    locations = index_hf_safetensors(hf_dir)
+    tasks = plan_torch_dist(bridge, layout, locations, options)
+    workers = _workers_within_budget(tasks, workers, memory_budget_bytes)
+    plan_hash = hash_plan(tasks, {"direction": "hf_to_torch_dist", "options": options.__dict__, "sources": sorted(
+        (loc.name, os.path.basename(loc.path), loc.start, loc.end) for loc in locations.values())})
+    parts_root = os.path.join(out_dir, ITERATION_DIR, PARTS_DIR)
+    if os.path.isdir(parts_root):  # parts an interrupted run was writing when it stopped
+        for name in os.listdir(parts_root):
+            if ".tmp-" in name:
+                shutil.rmtree(os.path.join(parts_root, name), ignore_errors=True)
+    stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
+                      context_args=(hf_config, options, out_dir), run_task=_run_torch_dist_task,
+                      description="hf->torch_dist")
+    shapes = merge_parts(os.path.join(out_dir, ITERATION_DIR), [task.task_id for task in tasks])
+    assets = _copy_hf_assets(hf_dir, out_dir)
+    metadata = {"format": "torch_dist", "arch": bridge.hf_architecture, "hf_config": hf_config,
+                "make_vocab_size_divisible_by": bridge.make_vocab_size_divisible_by,
+                "dtypes": sorted({str(d).removeprefix("torch.") for t in tasks for d in t.payload.dtypes.values()}),
+                "dequantized_fp8": any(loc.dtype in FP8_DTYPES for loc in locations.values()),
+                "hf_assets": assets, "tensors": len(shapes), "parts": len(tasks)}
+    with open(os.path.join(out_dir, CONVERSION_FILE), "w") as handle:
+        json.dump(metadata, handle, indent=1, sort_keys=True)
+    mark_latest(out_dir)  # last: the checkpoint is complete
+    os.remove(os.path.join(out_dir, ".convert_progress.jsonl"))
+    logger.info("wrote %s: %d parts, %d keys, %.2f GB (%d parts resumed as done)", out_dir, len(tasks), len(shapes),
+                stats.bytes_written / 1e9, stats.tasks_skipped)
+    return metadata

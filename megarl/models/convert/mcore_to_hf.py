@@ -1,4 +1,10 @@
-"""Convert a per-rank megatron checkpoint back to a Hugging Face safetensors checkpoint, streaming.
+"""Convert a megatron checkpoint (torch_dist, or megarl's per-rank format) back to Hugging Face safetensors,
+streaming.
+
+torch_dist (:func:`_convert_torch_dist_to_hf`): megatron's own chunks of each parameter, read from wherever
+the checkpoint stored them (any layout it was saved at: converted, or saved by megarl's or Megatron-LM's
+training) by :class:`~megarl.models.convert.torch_dist.TorchDistReader`, assembled into the TP=1 parameter,
+split into HF tensors. The rest of this docstring is the per-rank path; both write the same HF layout.
 
 Plan on headers and meta tensors: for every global parameter the bridge lists, find the rank that
 holds it (pipeline stage and expert rank from :mod:`~megarl.models.convert.placement`) and its TP
@@ -18,16 +24,18 @@ Left out: re-quantising to FP8, writing MTP layers (they were not converted).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from megarl.models import mcore_checkpoint as fmt
 from megarl.models.convert.execution import OutputFile, Task, hash_plan, note_tensor_written, run_tasks
-from megarl.models.convert.hf_index import INDEX_FILE, write_json_atomically
+from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names, write_json_atomically
 from megarl.models.convert.placement import place_global_tensor
 from megarl.models.convert.safetensors_stream import (
     PlannedTensor, StreamingSafetensorsWriter, TensorLocation, fsync_directory, read_safetensors_header,
@@ -79,7 +87,112 @@ def plan_mcore_to_hf(bridge, metadata: fmt.MCoreCheckpointMetadata, ckpt_dir: st
         merged = bridge.merge_tp(global_name, metas)
         planned = [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in bridge.mcore_to_hf(global_name, merged)]
         groups.append((Entry(global_name, shards), planned))
-    files: list[list[tuple[Entry, list[PlannedTensor]]]] = [[]]
+    return _pack_into_shards(groups, max_shard_bytes)
+
+
+@dataclass
+class _Context:
+    bridge: object
+    out_dir: str
+
+
+def _make_context(ckpt_dir: str, out_dir: str) -> _Context:
+    return _Context(_bridge(fmt.read_metadata(ckpt_dir)), out_dir)
+
+
+def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int, int]]:
+    """One HF shard: each entry's full (TP=1) parameter, ``full_parameter(entry)``, split into its HF tensors."""
+    (out,) = task.files
+    writer = StreamingSafetensorsWriter(os.path.join(context.out_dir, out.rel_path), list(out.tensors),
+                                        metadata=_SAFETENSORS_METADATA)
+    try:
+        for entry in task.payload:
+            full = full_parameter(entry)
+            for hf_name, tensor in context.bridge.mcore_to_hf(entry.global_name, full):
+                writer.add(hf_name, tensor)
+                note_tensor_written()
+            del full
+        return [(out.rel_path, *writer.close())]
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
+    return _write_hf_shard(context, task, lambda entry: context.bridge.merge_tp(
+        entry.global_name, [read_tensor(loc) for loc in entry.shards]))
+
+
+def _hf_config_to_write(hf_config: dict, record: dict) -> dict:
+    config = dict(hf_config)
+    if record.get("dequantized_fp8"):
+        config.pop("quantization_config", None)
+        float_dtypes = [d for d in record.get("dtypes", []) if d in ("bfloat16", "float16", "float32")]
+        if float_dtypes:
+            # the widest float dtype present stands for the checkpoint (DeepSeek keeps fp32 router biases)
+            dtype = "bfloat16" if "bfloat16" in float_dtypes else float_dtypes[0]
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = dtype
+    return config
+
+
+def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                        max_shard_bytes: int = 5 * 10**9, workers: int = 1,
+                        hf_config_dir: str | os.PathLike | None = None) -> dict:
+    """Convert; returns the index written. Resumes an interrupted run into the same ``out_dir``.
+
+    ``ckpt_dir``: a per-rank checkpoint, or a torch_dist one -- converted by ``hf_to_mcore`` (its config comes
+    with it), or saved by training (megarl's ``global_step_N/actor``, a Megatron-LM ``--save`` directory, or one
+    ``iter_*`` directory), for which ``hf_config_dir`` names the HF model directory whose config.json (and
+    tokenizer files) describe it."""
+    ckpt_dir, out_dir = os.fspath(ckpt_dir), os.fspath(out_dir)
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_bytes}")
+    index_path = os.path.join(out_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        raise FileExistsError(f"{index_path} exists: {out_dir} already holds a finished HF checkpoint")
+    if not os.path.isfile(os.path.join(ckpt_dir, fmt.METADATA_FILE)):
+        return _convert_torch_dist_to_hf(ckpt_dir, out_dir, max_shard_bytes=max_shard_bytes, workers=workers,
+                                         hf_config_dir=None if hf_config_dir is None else os.fspath(hf_config_dir))
+    metadata = fmt.read_metadata(ckpt_dir)
+    bridge = _bridge(metadata)
+    tasks = plan_mcore_to_hf(bridge, metadata, ckpt_dir, max_shard_bytes)
+    plan_hash = hash_plan(tasks, {"direction": "mcore_to_hf", "source": os.path.abspath(ckpt_dir),
+                                  "files": {r: e["files"] for r, e in metadata.raw["ranks"].items()}})
+    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
+              context_args=(ckpt_dir, out_dir), run_task=_run_task, description="mcore->hf")
+    assets_dir = os.path.join(ckpt_dir, fmt.HF_ASSETS_DIR)
+    for name in metadata.raw.get("hf_assets", []):
+        if name != "config.json":
+            shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
+    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(metadata.hf_config, metadata.raw))
+    return _finish(tasks, out_dir)
+
+
+def _finish(tasks: list[Task], out_dir: str) -> dict:
+    """The index, last: only now does the directory look like a loadable HF checkpoint."""
+    weight_map = {t.name: out.rel_path for task in tasks for out in task.files for t in out.tensors}
+    index = {"metadata": {"total_size": sum(out.nbytes for task in tasks for out in task.files)},
+             "weight_map": weight_map}
+    write_json_atomically(os.path.join(out_dir, INDEX_FILE), index)
+    fsync_directory(out_dir)
+    os.remove(os.path.join(out_dir, ".convert_progress.jsonl"))
+    logger.info("wrote %s: %d shards, %d tensors", out_dir, len(tasks), len(weight_map))
+    return index
+
+
+# ---------------------------------------------------------------------------------------- torch_dist
+@dataclass(frozen=True)
+class DistEntry:
+    global_name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    items: tuple  # megatron's chunks of this parameter (torch_dist.TensorItem)
+
+
+def _pack_into_shards(groups: list[tuple[object, list[PlannedTensor]]], max_shard_bytes: int) -> list[Task]:
+    files: list[list[tuple[object, list[PlannedTensor]]]] = [[]]
     size = 0
     for group in groups:
         group_bytes = sum(t.nbytes for t in group[1])
@@ -93,73 +206,74 @@ def plan_mcore_to_hf(bridge, metadata: fmt.MCoreCheckpointMetadata, ckpt_dir: st
                  tuple(entry for entry, _ in part)) for i, part in enumerate(files)]
 
 
+def _dist_hf_config(ckpt_dir: str, hf_config_dir: Optional[str]) -> tuple[dict, dict, Optional[str]]:
+    """(hf_config, conversion record, directory of the HF assets) for a torch_dist checkpoint."""
+    from megarl.models.convert.hf_to_mcore import CONVERSION_FILE, read_hf_config_dict
+
+    record_path = os.path.join(ckpt_dir, CONVERSION_FILE)
+    if hf_config_dir is not None:
+        return read_hf_config_dict(hf_config_dir), {}, hf_config_dir
+    if os.path.isfile(record_path):
+        with open(record_path) as handle:
+            record = json.load(handle)
+        return record["hf_config"], record, os.path.join(ckpt_dir, fmt.HF_ASSETS_DIR)
+    raise ValueError(f"{ckpt_dir} is a torch_dist checkpoint without {CONVERSION_FILE} (saved by training, not "
+                     f"converted): name the HF model directory whose config.json describes it (--hf-config)")
+
+
+def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, int]]:
+    def assemble(entry: DistEntry) -> torch.Tensor:  # the parameter from megatron's chunks of it
+        full = torch.empty(entry.shape, dtype=entry.dtype)
+        for item in entry.items:
+            shape, stride, storage_offset = item.view
+            target = torch.as_strided(full, shape, stride, storage_offset)
+            target.copy_(context.reader.read(item.key, item.offset, item.chunk_shape).reshape(shape))
+        return full
+
+    return _write_hf_shard(context, task, assemble)
+
+
 @dataclass
-class _Context:
+class _DistContext:
     bridge: object
+    reader: object
     out_dir: str
 
 
-def _make_context(ckpt_dir: str, out_dir: str) -> _Context:
-    return _Context(_bridge(fmt.read_metadata(ckpt_dir)), out_dir)
+def _make_dist_context(hf_config: dict, ckpt_dir: str, out_dir: str) -> _DistContext:
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.convert.torch_dist import TorchDistReader
+
+    return _DistContext(ModelBridge.from_hf_config(dict(hf_config), spec="local"), TorchDistReader(ckpt_dir), out_dir)
 
 
-def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
-    (out,) = task.files
-    writer = StreamingSafetensorsWriter(os.path.join(context.out_dir, out.rel_path), list(out.tensors),
-                                        metadata=_SAFETENSORS_METADATA)
-    try:
-        for entry in task.payload:
-            full = context.bridge.merge_tp(entry.global_name, [read_tensor(loc) for loc in entry.shards])
-            for hf_name, tensor in context.bridge.mcore_to_hf(entry.global_name, full):
-                writer.add(hf_name, tensor)
-                note_tensor_written()
-            del full
-        return [(out.rel_path, *writer.close())]
-    except BaseException:
-        writer.abort()
-        raise
+def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int, workers: int,
+                              hf_config_dir: Optional[str]) -> dict:
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.convert.torch_dist import TorchDistReader, checkpoint_layout
 
-
-def _hf_config_to_write(metadata: fmt.MCoreCheckpointMetadata) -> dict:
-    config = dict(metadata.hf_config)
-    if metadata.raw.get("dequantized_fp8"):
-        config.pop("quantization_config", None)
-        float_dtypes = [d for d in metadata.raw.get("dtypes", []) if d in ("bfloat16", "float16", "float32")]
-        if float_dtypes:
-            # the widest float dtype present stands for the checkpoint (DeepSeek keeps fp32 router biases)
-            dtype = "bfloat16" if "bfloat16" in float_dtypes else float_dtypes[0]
-            for key in ("torch_dtype", "dtype"):
-                if key in config:
-                    config[key] = dtype
-    return config
-
-
-def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                        max_shard_bytes: int = 5 * 10**9, workers: int = 1) -> dict:
-    """Convert; returns the index written. Resumes an interrupted run into the same ``out_dir``."""
-    ckpt_dir, out_dir = os.fspath(ckpt_dir), os.fspath(out_dir)
-    if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_bytes}")
-    index_path = os.path.join(out_dir, INDEX_FILE)
-    if os.path.isfile(index_path):
-        raise FileExistsError(f"{index_path} exists: {out_dir} already holds a finished HF checkpoint")
-    metadata = fmt.read_metadata(ckpt_dir)
-    bridge = _bridge(metadata)
-    tasks = plan_mcore_to_hf(bridge, metadata, ckpt_dir, max_shard_bytes)
-    plan_hash = hash_plan(tasks, {"direction": "mcore_to_hf", "source": os.path.abspath(ckpt_dir),
-                                  "files": {r: e["files"] for r, e in metadata.raw["ranks"].items()}})
-    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
-              context_args=(ckpt_dir, out_dir), run_task=_run_task, description="mcore->hf")
-    assets_dir = os.path.join(ckpt_dir, fmt.HF_ASSETS_DIR)
-    for name in metadata.raw.get("hf_assets", []):
+    hf_config, record, assets_dir = _dist_hf_config(ckpt_dir, hf_config_dir)
+    bridge = ModelBridge.from_hf_config(dict(hf_config), spec="local")
+    reader = TorchDistReader(ckpt_dir)
+    layout = checkpoint_layout(bridge)
+    groups = []
+    for name, items in layout.items_of().items():
+        missing = [item.key for item in items if item.key not in reader.tensors]
+        if missing:
+            raise ValueError(f"{reader.path} has no {missing[0]!r} ({name}): it is not a checkpoint of the model "
+                             f"config.json describes")
+        dtype = reader.dtype(items[0].key)
+        merged = torch.empty(layout.param_shapes[name], dtype=dtype, device="meta")
+        planned = [PlannedTensor(n, t.dtype, tuple(t.shape)) for n, t in bridge.mcore_to_hf(name, merged)]
+        groups.append((DistEntry(name, tuple(layout.param_shapes[name]), dtype, tuple(items)), planned))
+    order = {name: i for i, name in enumerate(bridge.iter_global_mcore_names())}
+    groups.sort(key=lambda group: order[group[0].global_name])
+    tasks = _pack_into_shards(groups, max_shard_bytes)
+    plan_hash = hash_plan(tasks, {"direction": "torch_dist_to_hf", "source": os.path.abspath(reader.path)})
+    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_dist_context,
+              context_args=(hf_config, ckpt_dir, out_dir), run_task=_run_dist_task, description="torch_dist->hf")
+    for name in hf_asset_names(assets_dir) if assets_dir and os.path.isdir(assets_dir) else []:
         if name != "config.json":
             shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
-    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(metadata))
-    weight_map = {t.name: out.rel_path for task in tasks for out in task.files for t in out.tensors}
-    index = {"metadata": {"total_size": sum(out.nbytes for task in tasks for out in task.files)},
-             "weight_map": weight_map}
-    write_json_atomically(index_path, index)
-    fsync_directory(out_dir)
-    os.remove(os.path.join(out_dir, ".convert_progress.jsonl"))
-    logger.info("wrote %s: %d shards, %d tensors", out_dir, len(tasks), len(weight_map))
-    return index
+    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(hf_config, record))
+    return _finish(tasks, out_dir)

@@ -35,3 +35,10 @@ def peak_rss_bytes() -> int:
 
 def current_rss_bytes() -> int:
     return _status_kib("VmRSS") * 1024
+
+
+def largest_child_peak_rss_bytes() -> int:
+    """The largest resident-set high-water mark among this process' finished children (worker processes)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024

@@ -27,7 +27,7 @@ def test_chunks_are_megatrons_load_balanced_split():
 
 
 def test_megatron_rope_selects_the_same_chunks():
-    from megarl.engines.megatron.cpu_compat import _cpu_pos_emb_on_this_cp_rank
+    from megarl.models.cpu_compat import _cpu_pos_emb_on_this_cp_rank
 
     class Group:
         def __init__(self, size, rank):

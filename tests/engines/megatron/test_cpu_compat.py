@@ -13,7 +13,7 @@ def _tiny_gpt_logits(rank: int, tp: int, seed: int):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from megarl.engines.megatron.cpu_compat import applied_patches
+    from megarl.models.cpu_compat import applied_patches
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
 
     info = initialize_megatron_parallel(layout=ParallelLayout(tensor_parallel=tp), seed=seed)
@@ -52,7 +52,7 @@ def test_tp2_gpt_forward_backward_matches_tp1_on_gloo():
 
 
 def test_cpu_rng_tracker_forks_per_name_and_restores_outer_state():
-    from megarl.engines.megatron.cpu_compat import CpuRNGStatesTracker
+    from megarl.models.cpu_compat import CpuRNGStatesTracker
 
     tracker = CpuRNGStatesTracker()
     tracker.add("a", 1)

@@ -5,7 +5,7 @@ import torch
 
 
 def test_cuda_tensors_on_cpu_redirects_only_inside_the_context():
-    from megarl.engines.megatron import cpu_compat
+    from megarl.models import cpu_compat
 
     if torch.cuda.is_available():
         pytest.skip("the redirection is a no-op on CUDA machines")

@@ -120,9 +120,9 @@ def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, ca
     _rewrite(source, tmp_path / "fp8", with_mtp(to_fp8), quant_config)
     _rewrite(source, tmp_path / "ref", with_mtp(to_reference), {"num_nextn_predict_layers": 1})
     with caplog.at_level(logging.INFO):
-        convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "mc_fp8", tp=2, ep=2)
+        convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "mc_fp8", tp=2, ep=2, format="per_rank")
     assert "skipped 2 multi-token-prediction tensor(s)" in caplog.text
-    convert_hf_to_mcore(tmp_path / "ref", tmp_path / "mc_ref", tp=2, ep=2)
+    convert_hf_to_mcore(tmp_path / "ref", tmp_path / "mc_ref", tp=2, ep=2, format="per_rank")
     assert read_metadata(tmp_path / "mc_fp8").raw["dequantized_fp8"] is True
     checked = 0
     for tp_rank in range(2):
@@ -135,6 +135,16 @@ def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, ca
                 assert torch.equal(got[name], want[name]), name
                 checked += got[name].dtype == torch.bfloat16
     assert checked > 20  # the dequantised weights really were compared
+    # the torch_dist format (the default) dequantises the same way: every key equal to the twin's
+    from megarl.models.convert.torch_dist import TorchDistReader
+
+    convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "td_fp8")
+    convert_hf_to_mcore(tmp_path / "ref", tmp_path / "td_ref")
+    got, want = TorchDistReader(str(tmp_path / "td_fp8")), TorchDistReader(str(tmp_path / "td_ref"))
+    assert got.tensors.keys() == want.tensors.keys()
+    for key in want.tensors:
+        shape = want.shape(key)
+        assert torch.equal(got.read(key, (0,) * len(shape), shape), want.read(key, (0,) * len(shape), shape)), key
 
 
 def test_unmapped_hf_tensor_is_refused_by_name(tmp_path):
@@ -145,5 +155,5 @@ def test_unmapped_hf_tensor_is_refused_by_name(tmp_path):
     _rewrite(source, tmp_path / "extra", lambda n, t: [(n, t)] + ([("model.rotary.inv_freq", t[:2])]
                                                                   if n == "model.norm.weight" else []), {})
     with pytest.raises(ValueError, match="model.rotary.inv_freq"):
-        convert_hf_to_mcore(tmp_path / "extra", tmp_path / "out", tp=1)
+        convert_hf_to_mcore(tmp_path / "extra", tmp_path / "out", tp=1, format="per_rank")
     assert not os.path.exists(tmp_path / "out" / "metadata.json")

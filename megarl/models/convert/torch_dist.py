@@ -1,0 +1,365 @@
+"""megatron-core's ``torch_dist`` checkpoint format (what Megatron-LM's ``--load`` and
+``dist_checkpointing.load`` read), written and read one tensor at a time.
+
+**What the checkpoint holds** is whatever megatron says a model's ``sharded_state_dict()`` is: its keys
+(layers stacked on a leading axis for uniform decoders, per layer otherwise), global shapes, and how each
+parameter maps onto them (SwiGLU's ``linear_fc1`` is two chunks, experts sit on an expert axis).
+:func:`checkpoint_layout` asks megatron: it builds the model at TP = PP = EP = 1 on the meta device (no memory,
+seconds even for 671B) and records every chunk as a :class:`TensorItem` -- key, global shape, offset, and
+which global megarl parameter (the bridge's names) it is a view of. Models built at any other layout load
+the result through megatron's resharding; vocabulary padding that differs by TP is megatron's
+``allow_shape_mismatch`` on embeddings and output layers.
+
+**Writing** (:func:`write_part`): torch.distributed.checkpoint's own file writer, driven by a planner whose
+items are those chunks and whose ``resolve_data`` produces each one when the writer gets to it, so a part
+holds one parameter in memory at a time. A conversion writes several parts (one per task, resumable, in
+parallel processes), each a small DCP checkpoint of its own under ``iter_0000000/parts/``, and
+:func:`merge_parts` writes the top-level ``.metadata`` that indexes all of them (after checking that the
+chunks of every key tile it exactly), megatron's ``metadata.json`` and ``common.pt`` -- only then is the
+checkpoint complete, and ``latest_checkpointed_iteration.txt`` names it.
+
+**Reading** (:class:`TorchDistReader`): any torch_dist checkpoint (converted, or saved by megarl's or
+Megatron-LM's training at any layout): a box of a key is assembled from the stored chunks that overlap it,
+each read from its byte range in its file (``torch.load`` of one item, as DCP's reader does).
+
+Left out: optimizer state (conversion is of weights), FP8 storage (weights are written in bf16/fp32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import os
+import pickle
+import shutil
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+
+ITERATION_DIR = "iter_0000000"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's marker of the newest checkpoint
+PARTS_DIR = "parts"
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}
+
+
+@dataclass(frozen=True)
+class TensorItem:
+    key: str  # megatron's sharded key (the DCP fully qualified name)
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    chunk_shape: tuple[int, ...]  # the leading axes megatron prepends (layer, expert) are 1 here
+    param: str  # the bridge's global megatron name this chunk is a view of (a TP=PP=EP=1 model's parameter)
+    view: tuple[tuple[int, ...], tuple[int, ...], int]  # (shape, stride, storage offset) into that parameter
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This chunk of the parameter ``full`` (contiguous, the parameter's shape)."""
+        shape, stride, storage_offset = self.view
+        return torch.as_strided(full, shape, stride, storage_offset).reshape(self.chunk_shape)
+
+
+@dataclass(frozen=True)
+class ObjectItem:
+    key: str  # megatron's unique key of a ShardedObject (key/shard_<offset>_<shape>)
+    payload: bytes  # torch.save of [the object], as megatron writes it
+
+
+@dataclass
+class CheckpointLayout:
+    tensors: list[TensorItem]
+    objects: list[ObjectItem]
+    param_shapes: dict[str, tuple[int, ...]]
+
+    def items_of(self) -> dict[str, list[TensorItem]]:
+        by_param: dict[str, list[TensorItem]] = {}
+        for item in self.tensors:
+            by_param.setdefault(item.param, []).append(item)
+        return by_param
+
+
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """megatron's parallel state for one process (TP = PP = EP = 1), set up if this process has none and torn
+    down after; building a model needs it."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    from megatron.core import parallel_state as mpu
+
+    created_group = not dist.is_initialized()
+    if created_group:
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    created_state = not mpu.model_parallel_is_initialized()
+    if created_state:
+        mpu.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        if created_state:
+            mpu.destroy_model_parallel()
+        if created_group:
+            dist.destroy_process_group()
+
+
+def checkpoint_layout(bridge) -> CheckpointLayout:
+    """Every chunk megatron's ``sharded_state_dict`` describes for ``bridge``'s model (see the module docstring)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+
+    from megarl.models.parallel_layout import ParallelLayout
+
+    if not torch.cuda.is_available():
+        from megarl.models.cpu_compat import enable_cpu_compat
+
+        enable_cpu_compat()  # MLA and MoE layers assume CUDA while they are built
+    with single_process_megatron():
+        # the token dispatcher does not change the keys; the all-to-all one wants a CUDA stream at construction
+        overrides = {"moe_token_dispatcher_type": "allgather"} if bridge.architecture.has_moe else {}
+        config = bridge.transformer_config(layout=ParallelLayout(), perform_initialization=False,
+                                           fused_kernels=False, **overrides)
+        with torch.device("meta"):
+            model = bridge.build_model(config=config, pre_process=True, post_process=True)
+        sharded = model.sharded_state_dict()
+        apply_factories(sharded)
+    names = {id(p): n for n, p in model.named_parameters()}
+    names.update({id(b): n for n, b in model.named_buffers()})
+    wanted = set(bridge.iter_global_mcore_names())
+    tensors, objects, seen = [], [], set()
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedTensor):
+            if value.flattened_range is not None or any(r != 0 for r in _replica(value.replica_id)):
+                raise RuntimeError(f"{value.key}: a TP=PP=EP=1 model should hold whole, main-replica chunks")
+            base = value.data if value.data._base is None else value.data._base
+            param = names.get(id(base))
+            if param not in wanted:
+                raise RuntimeError(f"{value.key} is a view of {param!r}, which the {bridge.hf_architecture} bridge "
+                                   f"does not map")
+            seen.add(param)
+            chunk_shape = (1,) * value.prepend_axis_num + tuple(value.local_shape)
+            tensors.append(TensorItem(value.key, tuple(value.global_shape), tuple(value.global_offset), chunk_shape,
+                                      param, (tuple(value.data.shape), tuple(value.data.stride()),
+                                              value.data.storage_offset())))
+        elif isinstance(value, ShardedObject):
+            buffer = io.BytesIO()
+            torch.save([value.data], buffer)  # megatron stores a key's objects as one list
+            objects.append(ObjectItem(value.unique_key, buffer.getvalue()))
+    missing = sorted(wanted - seen)
+    if missing:
+        raise RuntimeError(f"megatron's sharded state dict has no chunk of {missing[:5]}")
+    shapes = {n: tuple(p.shape) for n, p in list(model.named_parameters()) + list(model.named_buffers())
+              if n in wanted}
+    return CheckpointLayout(tensors, objects, shapes)
+
+
+def _replica(replica_id) -> tuple:
+    return replica_id if isinstance(replica_id, tuple) else (replica_id,)
+
+
+# ------------------------------------------------------------------------------------------------ writing
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import metadata as meta
+    from torch.distributed.checkpoint import planner
+
+    return dcp, meta, planner
+
+
+def _streaming_planner(tensors: list[TensorItem], dtypes: dict[str, torch.dtype], objects: list[ObjectItem],
+                       produce: Callable[[TensorItem], torch.Tensor]):
+    """A DCP save planner whose write items are ``tensors`` (as chunks of their keys) and ``objects``, each
+    produced only when the writer asks for it."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    _, meta, planner = _dcp()
+    by_index = {}
+    items = []
+    for item in tensors:
+        index = meta.MetadataIndex(item.key, torch.Size(item.offset))
+        by_index[index] = item
+        items.append(planner.WriteItem(
+            index=index, type=planner.WriteItemType.SHARD,
+            tensor_data=planner.TensorWriteData(
+                chunk=meta.ChunkStorageMetadata(offsets=torch.Size(item.offset), sizes=torch.Size(item.chunk_shape)),
+                properties=meta.TensorProperties(dtype=dtypes[item.param]), size=torch.Size(item.global_shape))))
+    payloads = {}
+    for obj in objects:
+        index = meta.MetadataIndex(obj.key)
+        payloads[index] = obj.payload
+        items.append(planner.WriteItem(index=index, type=planner.WriteItemType.BYTE_IO))
+
+    class StreamingSavePlanner(DefaultSavePlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def create_local_plan(self):
+            self.plan = planner.SavePlan(items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            if write_item.index in payloads:
+                return io.BytesIO(payloads[write_item.index])
+            return produce(by_index[write_item.index]).contiguous()
+
+    return StreamingSavePlanner()
+
+
+def write_part(part_dir: str, tensors: list[TensorItem], dtypes: dict[str, torch.dtype], objects: list[ObjectItem],
+               produce: Callable[[TensorItem], torch.Tensor]) -> None:
+    """One part: a DCP checkpoint of ``tensors`` (produced in order) and ``objects``, written into a temporary
+    directory that becomes ``part_dir`` in one rename once complete."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp, _, _ = _dcp()
+    temporary = f"{part_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    os.makedirs(temporary)
+    dcp.save({}, storage_writer=FileSystemWriter(temporary, thread_count=1, sync_files=True),
+             planner=_streaming_planner(tensors, dtypes, objects, produce), no_dist=True)
+    shutil.rmtree(part_dir, ignore_errors=True)
+    os.replace(temporary, part_dir)
+
+
+def read_dcp_metadata(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        return FileSystemReader(path).read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError) as error:
+        raise ValueError(f"{path}: not a readable torch.distributed.checkpoint (.metadata: {error})") from error
+
+
+def merge_parts(iteration_dir: str, part_names: list[str], *, common: Optional[dict] = None) -> dict:
+    """The checkpoint's own ``.metadata`` over every part (their files stay where they are), megatron's
+    ``metadata.json`` and ``common.pt``. Refuses a key whose chunks do not tile its tensor exactly. Returns
+    {key: global shape} of the tensors."""
+    _, meta, _ = _dcp()
+    state: dict = {}
+    storage: dict = {}
+    for name in part_names:
+        part = read_dcp_metadata(os.path.join(iteration_dir, PARTS_DIR, name))
+        for key, value in part.state_dict_metadata.items():
+            if key not in state:
+                state[key] = value
+            elif isinstance(value, meta.TensorStorageMetadata):
+                if tuple(value.size) != tuple(state[key].size):
+                    raise ValueError(f"{key}: parts disagree on its shape ({tuple(value.size)} vs "
+                                     f"{tuple(state[key].size)})")
+                state[key] = dataclasses.replace(state[key], chunks=list(state[key].chunks) + list(value.chunks))
+        for index, info in part.storage_data.items():
+            storage[index] = dataclasses.replace(info, relative_path=f"{PARTS_DIR}/{name}/{info.relative_path}")
+    for key, value in state.items():
+        if isinstance(value, meta.TensorStorageMetadata):
+            covered = sum(math.prod(chunk.sizes) for chunk in value.chunks)
+            if covered != math.prod(value.size):
+                raise ValueError(f"{key}: its chunks cover {covered} of {math.prod(value.size)} elements: a part is "
+                                 f"missing or damaged")
+    merged = meta.Metadata(state_dict_metadata=state, storage_data=storage)
+    _write_atomic(os.path.join(iteration_dir, ".metadata"), pickle.dumps(merged))
+    common_bytes = io.BytesIO()
+    torch.save(common if common is not None else {"checkpoint_version": 3.0, "iteration": 0}, common_bytes)
+    _write_atomic(os.path.join(iteration_dir, "common.pt"), common_bytes.getvalue())
+    _write_atomic(os.path.join(iteration_dir, "metadata.json"), json.dumps(MEGATRON_METADATA).encode())
+    return {key: tuple(v.size) for key, v in state.items() if isinstance(v, meta.TensorStorageMetadata)}
+
+
+def mark_latest(checkpoint_dir: str, iteration: int = 0) -> None:
+    """Megatron-LM's tracker file: the checkpoint under ``checkpoint_dir`` is complete."""
+    _write_atomic(os.path.join(checkpoint_dir, TRACKER_FILE), f"{iteration}\n".encode())
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def find_iteration_dir(path: str) -> str:
+    """``path`` itself when it holds a ``.metadata``; else the iteration directory its tracker file names
+    (Megatron-LM's ``latest_checkpointed_iteration.txt``, ``release`` included, or megarl's ``latest``)."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    for tracker in (TRACKER_FILE, "latest"):
+        marker = os.path.join(path, tracker)
+        if os.path.isfile(marker):
+            text = open(marker).read().strip()
+            name = "release" if text == "release" else f"iter_{int(text):07d}"
+            found = os.path.join(path, name)
+            if not os.path.isfile(os.path.join(found, ".metadata")):
+                raise FileNotFoundError(f"{marker} names {name}, which holds no .metadata")
+            return found
+    raise FileNotFoundError(f"{path}: neither a torch_dist checkpoint (.metadata) nor a directory with "
+                            f"{TRACKER_FILE}")
+
+
+def _overlap(a_offset, a_shape, b_offset, b_shape) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+    start = tuple(max(x, y) for x, y in zip(a_offset, b_offset))
+    stop = tuple(min(x + n, y + m) for x, n, y, m in zip(a_offset, a_shape, b_offset, b_shape))
+    if any(s >= e for s, e in zip(start, stop)):
+        return None
+    return start, tuple(e - s for s, e in zip(start, stop))
+
+
+class TorchDistReader:
+    """Boxes of a torch_dist checkpoint's tensors, read chunk by chunk from their byte ranges."""
+
+    def __init__(self, path: str):
+        self.path = find_iteration_dir(path)
+        self.metadata = read_dcp_metadata(self.path)
+        _, meta, _ = _dcp()
+        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
+                        if isinstance(v, meta.TensorStorageMetadata)}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box ``[offset, offset + shape)`` of ``key``, assembled from every stored chunk overlapping it. Where
+        the box reaches past the stored tensor (a vocabulary padded for another TP size) it reads zeros."""
+        _, meta, _ = _dcp()
+        stored = self.tensors.get(key)
+        if stored is None:
+            raise KeyError(f"{self.path}: no tensor {key!r} in the checkpoint")
+        out = torch.zeros(shape, dtype=stored.properties.dtype)
+        inside = _overlap(offset, shape, (0,) * len(shape), tuple(stored.size))
+        if len(stored.size) != len(shape) or inside is None:
+            raise ValueError(f"{self.path}: {key} is {tuple(stored.size)} in the checkpoint; cannot read "
+                             f"{shape} at {offset} from it")
+        filled = 0
+        for chunk in stored.chunks:
+            overlap = _overlap(offset, shape, tuple(chunk.offsets), tuple(chunk.sizes))
+            if overlap is None:
+                continue
+            start, size = overlap
+            data = self._load_chunk(meta.MetadataIndex(key, chunk.offsets))
+            source = data[tuple(slice(s - o, s - o + n) for s, o, n in zip(start, chunk.offsets, size))]
+            out[tuple(slice(s - o, s - o + n) for s, o, n in zip(start, offset, size))] = source
+            filled += math.prod(size)
+        if filled != math.prod(inside[1]):
+            raise ValueError(f"{self.path}: {key} at {offset} {shape}: the stored chunks cover {filled} of "
+                             f"{math.prod(inside[1])} elements")
+        return out
+
+    def _load_chunk(self, index) -> torch.Tensor:
+        info = self.metadata.storage_data[index]
+        if getattr(info, "transform_descriptors", None):
+            raise ValueError(f"{self.path}: {index.fqn} is stored with transforms {info.transform_descriptors}, "
+                             f"which this reader does not undo")
+        with open(os.path.join(self.path, info.relative_path), "rb") as handle:
+            handle.seek(info.offset)
+            data = handle.read(info.length)
+        if len(data) != info.length:
+            raise ValueError(f"{self.path}/{info.relative_path}: truncated ({index.fqn} needs bytes "
+                             f"{info.offset}..{info.offset + info.length})")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
