@@ -4,8 +4,8 @@
   state dict, into GPTModels built at TP=2, PP=2, EP=2 and TP=2 x PP=2 (gloo), and gives HF's logits;
 - HF -> torch_dist -> HF is bit exact for every architecture, written in many parts (by two workers for one);
 - a conversion killed mid-part leaves no tracker file, and rerunning it resumes to the same checkpoint;
-- bad input (weights that do not match config.json, a truncated shard) and damaged output (a part's data file
-  gone) are named, and nothing is marked complete.
+- bad input (weights that do not match config.json, a truncated shard), a full disk (then resumed) and damaged
+  output (a part's data file gone) are named, and nothing is marked complete.
 """
 
 import json
@@ -190,3 +190,32 @@ def test_a_part_whose_data_is_gone_is_named_when_read(converted, tmp_path):
     with pytest.raises(ValueError, match=r"truncated .* needs bytes"):
         convert_mcore_to_hf(damaged, tmp_path / "back")
     assert not (tmp_path / "back" / "model.safetensors.index.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_is_said_in_words_and_the_conversion_resumes_once_there_is_room(tmp_path):
+    """A real full disk (a 300 kB tmpfs; needs root, as CI runs): the error names the disk and what is left, no
+    tracker file is written, and after the tmpfs grows the same call finishes from the parts already there."""
+    import errno
+
+    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.models.tiny import save_tiny_hf_checkpoint
+
+    hf_dir = save_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=9)
+    convert_hf_to_mcore(hf_dir, tmp_path / "clean", max_file_bytes=20_000)
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(small)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        with pytest.raises(OSError, match=r"the disk holding .*small/out is full .* tasks done; the rest needs about "
+                                          r".* rerun the same command") as info:
+            convert_hf_to_mcore(hf_dir, small / "out", max_file_bytes=20_000)
+        assert info.value.errno == errno.ENOSPC
+        assert not (small / "out" / TRACKER_FILE).exists()
+        subprocess.run(["mount", "-o", "remount,size=20m", str(small)], check=True)
+        convert_hf_to_mcore(hf_dir, small / "out", max_file_bytes=20_000)
+        clean, again = _all_keys(tmp_path / "clean"), _all_keys(small / "out")
+        assert clean.keys() == again.keys() and all(torch.equal(clean[k], again[k]) for k in clean)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)

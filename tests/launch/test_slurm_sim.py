@@ -213,7 +213,7 @@ def test_dry_run_places_ranks_on_both_nodes(sim):
 @pytest.mark.timeout(240)
 def test_too_small_cluster_fails_with_what_is_missing(sim):
     # Each node gets 1 CPU but the run wants 2 worker processes per node.
-    proc = sim("--dry-run", MEGARL_SLURM_CPUS_PER_NODE="1", MEGARL_RAY_WAIT_TIMEOUT_S="40")
+    proc = sim("--dry-run", MEGARL_SLURM_CPUS_PER_NODE="1", MEGARL_RAY_WAIT_TIMEOUT_S="25")
     rc = proc.wait(timeout=200)
     output = sim.output.read_text()
     assert rc == 1, output

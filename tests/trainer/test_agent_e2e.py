@@ -32,7 +32,7 @@ def _config(tmp_path, *overrides):
 def test_multi_turn_grpo_trains_on_the_generated_tokens_and_scores_the_final_answer(tmp_path):
     from megarl.trainer.main import run
 
-    history = run(_config(tmp_path, "trainer.total_training_steps=30", "trainer.test_freq=30"))
+    history = run(_config(tmp_path, "trainer.total_training_steps=20", "trainer.test_freq=20"))
     scores = [h["critic/score/mean"] for h in history]
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     print("scores", [round(s, 3) for s in scores])

@@ -20,11 +20,13 @@ output ranks instead; the format does not need a coordinator).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -192,17 +194,29 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
             stats.bytes_written += size
         bar.update(task.nbytes)
 
+    finished: set[str] = set()
     try:
         if workers <= 1 or len(todo) <= 1:
             context = make_context(*context_args)
             for task in todo:
                 finish(task, run_task(context, task))
+                finished.add(task.task_id)
         else:
             ctx = mp.get_context("spawn")
             with ctx.Pool(min(workers, len(todo)), initializer=_init_worker,
                           initargs=(make_context, context_args, run_task), maxtasksperchild=None) as pool:
                 for task, results in pool.imap_unordered(_run_in_worker, todo):
                     finish(task, results)
+                    finished.add(task.task_id)
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        remaining = sum(task.nbytes for task in todo if task.task_id not in finished)
+        done = len(finished) + stats.tasks_skipped
+        free = shutil.disk_usage(out_dir).free
+        raise OSError(errno.ENOSPC, f"{description}: the disk holding {out_dir} is full ({free:,} bytes free) with "
+                                    f"{done} of {len(tasks)} tasks done; the rest needs about {remaining:,} bytes. Free "
+                                    f"space and rerun the same command: it resumes from the finished files") from error
     finally:
         bar.close()
     stats.records = dict(manifest.done)

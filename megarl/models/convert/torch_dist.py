@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import math
@@ -208,6 +209,24 @@ def _streaming_planner(tensors: list[TensorItem], dtypes: dict[str, torch.dtype]
     return StreamingSavePlanner()
 
 
+@contextlib.contextmanager
+def _without_record_crc() -> Iterator[None]:
+    """``torch.save`` (DCP's item format) computes a CRC32 of every record: a whole extra pass over each tensor's
+    bytes that nothing reading the checkpoint checks (``torch.load`` does not; a ``.distcp`` file is a run of
+    records at offsets, not a zip archive any tool tests)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # a torch without the switch: records keep their CRC
+        yield
+        return
+    saved = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = saved
+
+
 def write_part(part_dir: str, tensors: list[TensorItem], dtypes: dict[str, torch.dtype], objects: list[ObjectItem],
                produce: Callable[[TensorItem], torch.Tensor]) -> None:
     """One part: a DCP checkpoint of ``tensors`` (produced in order) and ``objects``, written into a temporary
@@ -218,10 +237,33 @@ def write_part(part_dir: str, tensors: list[TensorItem], dtypes: dict[str, torch
     temporary = f"{part_dir}.tmp-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     os.makedirs(temporary)
-    dcp.save({}, storage_writer=FileSystemWriter(temporary, thread_count=1, sync_files=True),
-             planner=_streaming_planner(tensors, dtypes, objects, produce), no_dist=True)
+    try:
+        with _without_record_crc():
+            dcp.save({}, storage_writer=FileSystemWriter(temporary, thread_count=1, sync_files=True),
+                     planner=_streaming_planner(tensors, dtypes, objects, produce), no_dist=True)
+    except BaseException as error:  # DCP wraps a writer's failure in CheckpointException, a BaseException
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        free = shutil.disk_usage(os.path.dirname(part_dir)).free  # before the partial part gives its space back
+        shutil.rmtree(temporary, ignore_errors=True)
+        inner = _first_failure(error)
+        needed = sum(math.prod(item.chunk_shape) * dtypes[item.param].itemsize for item in tensors)
+        # torch.save on a full disk says "unexpected pos 704 vs 598", not ENOSPC
+        if free < needed or (isinstance(inner, OSError) and inner.errno == errno.ENOSPC):
+            raise OSError(errno.ENOSPC, f"no space left on the disk holding {part_dir} ({free:,} bytes free, "
+                                        f"the part needs {needed:,})") from inner
+        raise inner from None
     shutil.rmtree(part_dir, ignore_errors=True)
     os.replace(temporary, part_dir)
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The exception a CheckpointException carries for its first failed rank (else ``error`` itself)."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return error
+    failure = next(iter(failures.values()))
+    return failure[0] if isinstance(failure, tuple) else failure
 
 
 def read_dcp_metadata(path: str):
