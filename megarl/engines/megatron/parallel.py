@@ -62,8 +62,8 @@ def bind_rendezvous_store(timeout_s: float = 600.0) -> int:
 def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0, device: Optional[str] = None,
                      local_device_index: Optional[int] = None) -> None:
     """Initialise the default process group from the environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT): the
-    one place megarl does, on a TCP store every rank of the group makes here; idempotent. ``device``: "cuda" or "cpu" (default: CUDA when available);
-    ``local_device_index``: this rank's GPU (default: LOCAL_RANK).
+    one place megarl does, on a TCP store every rank of the group makes here; idempotent. ``device``: "cuda"
+    or "cpu" (default: CUDA when available); ``local_device_index``: this rank's GPU (default: LOCAL_RANK).
 
     On CPU the megatron CPU redirections are enabled even when the process group already exists.
     """
@@ -83,7 +83,7 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 600.0,
     rank, world_size, timeout = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timedelta(seconds=timeout_s)
     # Every rank makes its store here, the same way (rank 0 the server, unless bound already), so that rank 0
     # can hold its port from the moment it was chosen (bind_rendezvous_store).
-    if _bound_store is not None and rank == 0:
+    if _bound_store is not None and rank == 0 and _bound_store.port == int(os.environ["MASTER_PORT"]):
         store, _bound_store = _bound_store, None  # one group per store
         store.set_timeout(timeout)
     else:
