@@ -48,14 +48,11 @@ def child(hf: str, out: str, workers: int, budget: int) -> None:
 
 
 
-def child_env() -> dict:
-    """This environment with the repository first on PYTHONPATH (what is already there kept)."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    from bench.convert_bench import child_env
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--budget-gb", type=float, default=96)

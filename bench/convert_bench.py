@@ -181,7 +181,8 @@ def main() -> None:
                         "hf_to_per_rank": to_rank["largest_worker_peak_rss"],
                         "mcore_to_hf": to_hf["largest_worker_peak_rss"]}
         if args.workers > 1:
-            print("\nlargest worker's peak RSS (MiB): " + ", ".join(f"{k} {v / 2**20:.0f}" for k, v in workers_peak.items()))
+            peaks = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in workers_peak.items())
+            print(f"\nlargest worker's peak RSS (MiB): {peaks}")
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"workers": args.workers, "cores": os.cpu_count(), "size_bytes": size, "rows": table,

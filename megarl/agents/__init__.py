@@ -1,2 +1,2 @@
-"""Pieces of multi-turn, tool-calling rollouts: tool-call parsing, tools and their limits (pure Python; no
-engines). The agent loop that drives a rollout engine through turns builds on these."""
+"""Multi-turn, tool-calling rollouts (pure Python; no engines): the agent loop over any turn generator
+(:mod:`megarl.agents.loop`), tool-call parsing, tools and their limits, a trajectory's token accounting."""

@@ -9,7 +9,7 @@ Scheduling: the conversations whose next turn can be generated go to the engine 
 *wave*); their tool calls run on a thread pool meanwhile. A slow tool holds back only its own conversation:
 the loop waits for the first tool call to finish (and for the others finishing within ``gather_window_s``, so
 waves stay large) and generates for those, while slower calls go on running. The engine is a function
-``generate(prompts, max_tokens, wave) -> [TurnOutput]`` (one output per prompt, in order), so this module needs
+``generate(prompts, max_tokens, keys) -> [TurnOutput]`` (one output per prompt, in order), so this module needs
 no engine, and the trainer plugs in its rollout workers (:mod:`megarl.trainer.agent_rollout`). Which
 conversations share a wave depends on tool timing; each turn is keyed by (conversation, turn) so the generator
 can seed it by that key alone, and a run samples the same whatever the timing.
@@ -95,7 +95,6 @@ class AgentLoop:
         self.tokenizer, self.tools, self.parser, self.settings = tokenizer, tools, parser, settings
         self.schemas = [tool.schema for tool in tools.values()]
         self._pool = concurrent.futures.ThreadPoolExecutor(settings.tool_workers, thread_name_prefix="megarl-agent")
-        self.waves = 0  # generation calls made, over every run (a measure of how well turns were batched)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -116,7 +115,6 @@ class AgentLoop:
                 outputs = generate([c.trajectory.next_prompt() for c in ready], budget, keys)
                 if len(outputs) != len(ready):
                     raise RuntimeError(f"the turn generator returned {len(outputs)} outputs for {len(ready)} prompts")
-                self.waves += 1
                 for conversation, output in zip(ready, outputs):
                     parsed, text = self._take_turn(conversation, output)
                     if parsed is not None:

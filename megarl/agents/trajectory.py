@@ -58,7 +58,8 @@ class Trajectory:
             self.finish_reason = "length"
 
 
-def context_tokens(tokenizer, history: list[dict], new_messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+def context_tokens(tokenizer, history: list[dict], new_messages: list[dict],
+                   tools: Optional[list[dict]] = None) -> list[int]:
     """The tokens between the end of the model's last turn in ``history`` (an assistant message) and its next
     turn: what the template writes after the end-of-turn token the model generated, ``new_messages`` (tool
     results) and the generation prompt. ``tools`` (the function schemas) are passed to the template as the

@@ -228,7 +228,8 @@ class WorkerGroup:
         try:
             self.worker_infos = self._gather([actor.describe.remote() for actor in self._actors],
                                              "describe (actor start)", init_timeout_s)
-            master_port = ray.get(self._actors[0].bind_rendezvous_store.remote(init_timeout_s), timeout=init_timeout_s)
+            master_port = ray.get(self._actors[0].bind_rendezvous_store.remote(init_timeout_s),
+                                  timeout=init_timeout_s)
             envs = self._build_rank_envs(master_port, dict(env or {}))
             args, kwargs = tuple(init_args), dict(init_kwargs or {})
             self._gather([actor.construct.remote(rank_env, args, kwargs)

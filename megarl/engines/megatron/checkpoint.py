@@ -25,14 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megarl.models.convert.torch_dist import TRACKER_FILE, iteration_dir_name, mark_latest, tracked_iteration
 from megarl.models.cpu_compat import cuda_tensors_on_cpu
 
-_LATEST = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker file
-_OLD_LATEST = "latest"  # what megarl wrote before; still read
-
-
-def _iter_dir(step: int) -> str:
-    return "release" if step == RELEASE else f"iter_{step:07d}"
 
 
 def _unwrap(chunk):
@@ -156,8 +151,8 @@ def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
     crash point: the hardest moment to die)."""
     from megatron.core import dist_checkpointing
 
-    final = os.path.join(root, _iter_dir(step))
-    tmp = os.path.join(root, "." + "tmp_" + _iter_dir(step))
+    final = os.path.join(root, iteration_dir_name(step))
+    tmp = os.path.join(root, "." + "tmp_" + iteration_dir_name(step))
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save of the same step
@@ -174,12 +169,7 @@ def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        marker = os.path.join(root, "." + _LATEST + ".tmp")
-        with open(marker, "w") as f:
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(marker, os.path.join(root, _LATEST))
+        mark_latest(root, step)
     dist.barrier()
     return final
 
@@ -187,21 +177,7 @@ def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
 def latest_step(root: str) -> Optional[int]:
     """The step named by ``root``'s tracker file (Megatron-LM's ``latest_checkpointed_iteration.txt``, or
     ``latest``), or None when no complete checkpoint exists."""
-    for marker in (_LATEST, _OLD_LATEST):
-        path = os.path.join(root, marker)
-        if not os.path.exists(path):
-            continue
-        text = open(path).read().strip()
-        if text == "release":  # Megatron-LM's name for a converted checkpoint's only iteration
-            return RELEASE
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{path}: expected an integer step, found {text!r}") from None
-    return None
-
-
-RELEASE = -1  # latest_step's answer for Megatron-LM's release/ directory
+    return tracked_iteration(root)
 
 
 def has_complete_checkpoint(root: str) -> bool:
@@ -237,8 +213,8 @@ def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optim
 
     step = latest_step(root) if step is None else step
     if step is None:
-        raise FileNotFoundError(f"no complete checkpoint under {root} (missing {_LATEST!r} marker)")
-    path = os.path.join(root, _iter_dir(step))
+        raise FileNotFoundError(f"no complete checkpoint under {root} (missing {TRACKER_FILE!r} marker)")
+    path = os.path.join(root, iteration_dir_name(step))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     with_optimizer = load_optimizer and engine.optimizer is not None

@@ -214,9 +214,10 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
         remaining = sum(task.nbytes for task in todo if task.task_id not in finished)
         done = len(finished) + stats.tasks_skipped
         free = shutil.disk_usage(out_dir).free
-        raise OSError(errno.ENOSPC, f"{description}: the disk holding {out_dir} is full ({free:,} bytes free) with "
-                                    f"{done} of {len(tasks)} tasks done; the rest needs about {remaining:,} bytes. Free "
-                                    f"space and rerun the same command: it resumes from the finished files") from error
+        raise OSError(errno.ENOSPC, f"{description}: the disk holding {out_dir} is full ({free:,} bytes free) "
+                                    f"with {done} of {len(tasks)} tasks done; the rest needs about {remaining:,} "
+                                    f"bytes. Free space and rerun the same command: it resumes from the finished "
+                                    f"files") from error
     finally:
         bar.close()
     stats.records = dict(manifest.done)

@@ -310,8 +310,33 @@ def merge_parts(iteration_dir: str, part_names: list[str], *, common: Optional[d
 
 
 def mark_latest(checkpoint_dir: str, iteration: int = 0) -> None:
-    """Megatron-LM's tracker file: the checkpoint under ``checkpoint_dir`` is complete."""
+    """Megatron-LM's tracker file: the checkpoint under ``checkpoint_dir`` is complete (written atomically)."""
     _write_atomic(os.path.join(checkpoint_dir, TRACKER_FILE), f"{iteration}\n".encode())
+
+
+OLD_TRACKER_FILE = "latest"  # what megarl's engine checkpoints named their tracker before; still read
+RELEASE = -1  # tracked_iteration's answer for Megatron-LM's release/ directory
+
+
+def tracked_iteration(checkpoint_dir: str) -> Optional[int]:
+    """The iteration ``checkpoint_dir``'s tracker file names (:data:`RELEASE` for ``release``), or None when it
+    has none: no complete checkpoint there."""
+    for tracker in (TRACKER_FILE, OLD_TRACKER_FILE):
+        path = os.path.join(checkpoint_dir, tracker)
+        if not os.path.isfile(path):
+            continue
+        text = open(path).read().strip()
+        if text == "release":  # Megatron-LM's name for a converted checkpoint's only iteration
+            return RELEASE
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{path}: expected an integer iteration or 'release', found {text!r}") from None
+    return None
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return "release" if iteration == RELEASE else f"iter_{iteration:07d}"
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -325,21 +350,18 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 # ------------------------------------------------------------------------------------------------ reading
 def find_iteration_dir(path: str) -> str:
-    """``path`` itself when it holds a ``.metadata``; else the iteration directory its tracker file names
-    (Megatron-LM's ``latest_checkpointed_iteration.txt``, ``release`` included, or megarl's ``latest``)."""
+    """``path`` itself when it holds a ``.metadata``; else the iteration directory its tracker file names."""
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
-    for tracker in (TRACKER_FILE, "latest"):
-        marker = os.path.join(path, tracker)
-        if os.path.isfile(marker):
-            text = open(marker).read().strip()
-            name = "release" if text == "release" else f"iter_{int(text):07d}"
-            found = os.path.join(path, name)
-            if not os.path.isfile(os.path.join(found, ".metadata")):
-                raise FileNotFoundError(f"{marker} names {name}, which holds no .metadata")
-            return found
-    raise FileNotFoundError(f"{path}: neither a torch_dist checkpoint (.metadata) nor a directory with "
-                            f"{TRACKER_FILE}")
+    iteration = tracked_iteration(path)
+    if iteration is None:
+        raise FileNotFoundError(f"{path}: neither a torch_dist checkpoint (.metadata) nor a directory with "
+                                f"{TRACKER_FILE}")
+    found = os.path.join(path, iteration_dir_name(iteration))
+    if not os.path.isfile(os.path.join(found, ".metadata")):
+        raise FileNotFoundError(f"{path}'s tracker file names {iteration_dir_name(iteration)}, which holds no "
+                                f".metadata")
+    return found
 
 
 def _overlap(a_offset, a_shape, b_offset, b_shape) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
