@@ -5,9 +5,9 @@
 
 Without ``--hf`` a synthetic fp32 Llama-layout checkpoint of about ``--size-gb`` is written first. Then, on the
 same disk and with the same number of processes (``--workers``): (1) ``cp`` of the safetensors files + sync;
-(2) raw: the files copied by ``--workers`` processes with a buffered 16 MiB read/write loop and fsync (what
-any converter must at least do, as parallel as the converter); (3) hf->mcore to megatron's torch_dist format
-(the default); (4) hf->mcore to the per-rank format at ``--tp`` (the previous default); (5) mcore->hf from
+(2) raw: the files' bytes split into ``--workers`` equal spans, each copied by its own process with a 16 MiB
+pread/pwrite loop and fsync (what any converter must at least do, as parallel as the converter); (3) hf->mcore
+to megatron's torch_dist format (the default); (4) hf->mcore to the per-rank format at ``--tp`` (the previous default); (5) mcore->hf from
 the torch_dist checkpoint. Each conversion runs in a fresh subprocess that reports its wall time and peak RSS
 above its post-import baseline. Prints a markdown table (and JSON with ``--json``). The page cache is not
 dropped (that needs root), so reads may be warm for every row alike.
@@ -29,32 +29,65 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def _copy_files(paths: list[str], dst_dir: str) -> int:
+def _copy_ranges(ranges: list[tuple[str, str, int, int]]) -> int:
+    """Copy byte ranges ``[start, end)`` of source files to the same offsets of their (pre-sized) copies."""
     total = 0
     buffer = bytearray(16 * 2**20)
     view = memoryview(buffer)
-    for path in paths:
-        with open(path, "rb", buffering=0) as src, open(os.path.join(dst_dir, os.path.basename(path)), "wb") as dst:
-            while got := src.readinto(buffer):
-                dst.write(view[:got])
-                total += got
-            dst.flush()
-            os.fsync(dst.fileno())
+    for src_path, dst_path, start, end in ranges:
+        src, dst = os.open(src_path, os.O_RDONLY), os.open(dst_path, os.O_WRONLY)
+        try:
+            offset = start
+            while offset < end:
+                got = os.preadv(src, [view[:min(len(buffer), end - offset)]], offset)
+                if got <= 0:
+                    raise IOError(f"{src_path}: short read at {offset}")
+                os.pwritev(dst, [view[:got]], offset)
+                offset += got
+            os.fsync(dst)
+        finally:
+            os.close(src)
+            os.close(dst)
+        total += end - start
     return total
 
 
+def split_ranges(paths: list[str], dst_dir: str, workers: int) -> list[list[tuple[str, str, int, int]]]:
+    """The files' bytes dealt to ``workers`` processes as equal contiguous spans (a file may be split), so
+    every process copies the same amount whatever the number and sizes of the files."""
+    sizes = [os.path.getsize(p) for p in paths]
+    share = -(-sum(sizes) // workers)
+    spans: list[list[tuple[str, str, int, int]]] = [[] for _ in range(workers)]
+    worker, room = 0, share
+    for path, size in zip(paths, sizes):
+        dst = os.path.join(dst_dir, os.path.basename(path))
+        offset = 0
+        while offset < size:
+            take = min(room, size - offset)
+            spans[worker].append((path, dst, offset, offset + take))
+            offset += take
+            room -= take
+            if room == 0 and worker < workers - 1:
+                worker, room = worker + 1, share
+    return [s for s in spans if s]
+
+
 def raw_copy(src_dir: str, dst_dir: str, workers: int = 1) -> tuple[int, float]:
-    """The safetensors files copied by ``workers`` processes (files dealt round-robin)."""
+    """The safetensors files copied by ``workers`` processes, each an equal share of the bytes, with fsync."""
     from concurrent.futures import ProcessPoolExecutor
 
     os.makedirs(dst_dir, exist_ok=True)
     paths = sorted(glob.glob(os.path.join(src_dir, "*.safetensors")))
+    spans = split_ranges(paths, dst_dir, max(1, workers))
     started = time.perf_counter()
-    if workers <= 1:
-        total = _copy_files(paths, dst_dir)
+    for path in paths:
+        with open(os.path.join(dst_dir, os.path.basename(path)), "wb") as handle:
+            handle.truncate(os.path.getsize(path))
+    if len(spans) <= 1:
+        total = sum(_copy_ranges(s) for s in spans)
     else:
-        with ProcessPoolExecutor(workers) as pool:
-            total = sum(pool.map(_copy_files, [paths[i::workers] for i in range(workers)], [dst_dir] * workers))
+        with ProcessPoolExecutor(len(spans)) as pool:
+            total = sum(pool.map(_copy_ranges, spans))
     return total, time.perf_counter() - started
 
 
@@ -70,13 +103,16 @@ def cp_copy(src_dir: str, dst_dir: str) -> tuple[int, float]:
 def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int, part: int) -> None:
     import torch
 
-    import megarl.models.bridge  # noqa: F401
+    import megarl.models.bridge  # noqa: F401  (imported before the clock starts)
     from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
     from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
 
     from megarl.models.convert.memory import largest_child_peak_rss_bytes
 
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the run's timing summary
     meta = torch.empty(4, 4, device="meta")  # torch's one-off meta-kernel registration is baseline
     torch.cat([meta, meta]).chunk(2)[0].contiguous()
     baseline = current_rss_bytes()
@@ -97,7 +133,9 @@ def run_child(*args) -> dict:
                           capture_output=True, text=True, env=child_env())
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["timing"] = [line for line in proc.stderr.splitlines() if "task(s) on" in line]
+    return result
 
 
 def dir_bytes(path: str, pattern: str = "*.safetensors") -> int:
@@ -177,6 +215,10 @@ def main() -> None:
             print(f"| {name} | {nbytes / 1e9:.2f} | {seconds:.1f} | {gbs:.3f} | {gbs / raw_gbs:.2f}x | {rss_text} |")
             table.append({"step": name, "bytes": nbytes, "seconds": seconds, "gb_per_s": gbs,
                           "vs_raw": gbs / raw_gbs, "rss_over_baseline": rss})
+        for name, run in (("hf_to_mcore torch_dist", to_dist), ("hf_to_mcore per_rank", to_rank),
+                          ("mcore_to_hf", to_hf)):
+            for line in run["timing"]:
+                print(f"{name}: {line}")
         workers_peak = {"hf_to_torch_dist": to_dist["largest_worker_peak_rss"],
                         "hf_to_per_rank": to_rank["largest_worker_peak_rss"],
                         "mcore_to_hf": to_hf["largest_worker_peak_rss"]}
@@ -186,6 +228,8 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"workers": args.workers, "cores": os.cpu_count(), "size_bytes": size, "rows": table,
+                       "timing": {"hf_to_torch_dist": to_dist["timing"], "hf_to_per_rank": to_rank["timing"],
+                                  "mcore_to_hf": to_hf["timing"]},
                            "largest_worker_peak_rss": workers_peak, "args": vars(args)}, handle, indent=1)
     finally:
         if args.work is None:

@@ -54,6 +54,7 @@ Left out: TP/PP > 1, the TE spec (Transformer Engine is not installed on the GPU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -110,8 +111,18 @@ def row_lengths(batch) -> list[int]:
 
 
 # ModelBridge.transformer_config(fused_kernels=...): megatron's torch.compile'd SwiGLU and bias-dropout-add
-# (the engine's default on CUDA).
-FUSIONS = {"off": False, "on": True}
+# (the engine's default on CUDA); "on-megatron-rope": the same with megatron's own per-sequence RoPE for packed
+# micro-batches instead of megarl's whole-stream one (megarl.models.packed_rope, the default);
+# "on-eager-norm-rope": megarl's RMSNorm and whole-stream RoPE run eager instead of compiled (megarl.models.compiled).
+FUSIONS = {"off": False, "on": True, "on-megatron-rope": True, "on-eager-norm-rope": True}
+
+
+def _fusion_scope(fusions: str):
+    from megarl.models import compiled
+    from megarl.models.fused_norm import rms_norm
+    from megarl.models.packed_rope import rotate_stream
+
+    return compiled.eager_only(rms_norm, rotate_stream) if fusions == "on-eager-norm-rope" else contextlib.nullcontext()
 
 
 def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: float, core_attention: str = "sdpa",
@@ -128,7 +139,12 @@ def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: 
     config = bridge.transformer_config(layout=ParallelLayout(), params_dtype=dtype, fused_kernels=FUSIONS[fusions])
 
     def provider(pre_process, post_process, vp_stage=None):
-        return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        from megarl.models import packed_rope
+
+        model = bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
+                                   vp_stage=vp_stage)
+        packed_rope.use(fusions != "on-megatron-rope")  # process-wide: set for each engine built
+        return model
 
     optimizer = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=1.0,
                                 bf16=dtype == torch.bfloat16, params_dtype=dtype, use_distributed_optimizer=False)
@@ -172,14 +188,16 @@ def bench_megatron(hf_cfg, batch, args, device, matmul_tflops, core_attention: s
     def forward():
         batch.old_log_probs, _ = actor.compute_log_probs(batch)
 
-    fwd = time_region(forward, device=device, warmup=1, iters=args.iters)
     metrics = {}
 
     def update():
         metrics.update(actor.update_policy(batch, mini_batch_size=len(batch), policy_loss_name="ppo_clip"))
 
-    upd = time_region(update, device=device, warmup=args.warmup, iters=args.iters)
-    profile = profile_gpu_busy(update, device) if args.profile and device.type == "cuda" else None
+    with _fusion_scope(fusions):
+        fwd = time_region(forward, device=device, warmup=1, iters=args.iters)
+        upd = time_region(update, device=device, warmup=args.warmup, iters=args.iters)
+        trace = os.path.join(args.trace_dir, f"trace_{fusions}_{max_tokens}.json.gz") if args.trace_dir else None
+        profile = profile_gpu_busy(update, device, trace) if args.profile and device.type == "cuda" else None
     out = {
         "layout": "padded" if max_tokens is PADDED else "packed",
         "core_attention": core_attention,
@@ -201,15 +219,17 @@ def bench_megatron(hf_cfg, batch, args, device, matmul_tflops, core_attention: s
     return out
 
 
-def profile_gpu_busy(fn, device) -> dict:
+def profile_gpu_busy(fn, device, trace_path: Optional[str] = None) -> dict:
     """One more call under torch.profiler: GPU kernel time vs wall time (a low ratio means the GPU waits on
-    the host: launch/Python overhead), and the kernels that take the most GPU time."""
+    the host: launch/Python overhead), and the kernels that take the most GPU time. With ``trace_path`` the
+    trace (Python stacks included) is written there, gzipped, and its idle gaps are charged to the host code
+    that caused them (:mod:`bench.trace_gaps`)."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
 
     try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=bool(trace_path)) as prof:
             start = time.perf_counter()
             fn()
             torch.cuda.synchronize(device)
@@ -226,10 +246,29 @@ def profile_gpu_busy(fn, device) -> dict:
                 kernels.append((event.key, device_us / 1e6, event.count))
         kernels.sort(key=lambda k: -k[1])
         busy = sum(k[1] for k in kernels)
-        return {"wall_s": wall, "gpu_kernel_s": busy, "gpu_busy_fraction": busy / wall,
-                "top_kernels": [{"name": n[:120], "seconds": t, "calls": c} for n, t, c in kernels[:12]]}
+        out = {"wall_s": wall, "gpu_kernel_s": busy, "gpu_busy_fraction": busy / wall,
+               "top_kernels": [{"name": n[:120], "seconds": t, "calls": c} for n, t, c in kernels[:12]]}
+        if trace_path:
+            out["gaps"] = _trace_and_gaps(prof, trace_path)
+        return out
     except Exception as exc:  # the profiler is a diagnostic; the benchmark numbers stand without it
         return {"error": repr(exc)[:300]}
+
+
+def _trace_and_gaps(prof, trace_path: str) -> dict:
+    import gzip
+    import shutil
+
+    from bench.trace_gaps import analyse, load_events
+
+    plain = trace_path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as source, gzip.open(plain + ".gz", "wb", compresslevel=6) as target:
+        shutil.copyfileobj(source, target)
+    os.remove(plain)
+    gaps = analyse(load_events(plain + ".gz"))
+    return {**{k: v for k, v in gaps.items() if not isinstance(v, list)},
+            "host_late": gaps["host_late"][:15], "host_waits": gaps["host_waits"][:15]}
 
 
 # ---------------------------------------------------------------------------------------- HF baseline
@@ -539,6 +578,9 @@ def main(argv=None) -> dict:
                              "and bias-dropout-add, the engine's CUDA default; off); the first is the plain key, "
                              "others '_fusions_<v>'. Default: on with CUDA, off on CPU")
     parser.add_argument("--profile", action="store_true", help="profile one extra megatron update (GPU only)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="with --profile: write each profiled update's trace here and charge its GPU idle gaps "
+                             "to host code (bench/trace_gaps.py)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
@@ -551,7 +593,7 @@ def main(argv=None) -> dict:
     fusion_variants = [f for f in args.fusions.split(",") if f]
     if not fusion_variants or any(f not in FUSIONS for f in fusion_variants):
         raise SystemExit(f"--fusions takes a comma list of {sorted(FUSIONS)}, got {args.fusions!r}")
-    if "on" in fusion_variants and pick_device(args.device).type != "cuda":
+    if any(f != "off" for f in fusion_variants) and pick_device(args.device).type != "cuda":
         raise SystemExit("--fusions on compiles CUDA kernels: GPU only")
     hf_mbs = _ints(args.hf_micro_batch_size or str(args.micro_batch_size), "--hf-micro-batch-size")
     width = args.prompt_len + args.response_len

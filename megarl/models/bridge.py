@@ -45,7 +45,7 @@ from megarl.models.architectures import Architecture, DecoderDims, architecture_
 from megarl.models.architectures.base import build_param_rules
 from megarl.models.hf_config import HFConfigLike, architecture_name, load_hf_config
 from megarl.models.parallel_layout import ParallelLayout
-from megarl.models.weight_mapping import ParamRule, fuse_qkv, merge_shards, pad_vocab, shard_tensor, split_qkv
+from megarl.models.weight_mapping import ParamRule, TensorConverter
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class ModelBridge:
             rules = [ParamRule("output_layer.weight", (SCORE_HEAD_HF_NAME,)) if rule.mcore_name == "output_layer.weight"
                      else rule for rule in rules]
         self._rules: dict[str, ParamRule] = {rule.mcore_name: rule for rule in rules}
+        self.tensors = TensorConverter(self._rules, self.dims.vocab_size, make_vocab_size_divisible_by)
         self._hf_to_mcore_name = {hf: rule.mcore_name for rule in self._rules.values() for hf in rule.hf_names}
         mtp = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
         if mtp:
@@ -139,8 +140,7 @@ class ModelBridge:
         return self.dims.tied_embeddings
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
-        multiple = self.make_vocab_size_divisible_by * tp_size
-        return -(-self.dims.vocab_size // multiple) * multiple
+        return self.tensors.padded_vocab_size(tp_size)
 
     def transformer_config(self, *, layout: ParallelLayout, params_dtype: torch.dtype = torch.float32,
                            fused_kernels: Optional[bool] = None, **overrides: Any):
@@ -223,16 +223,23 @@ class ModelBridge:
         replaces it with its value head)."""
         from megatron.core.models.gpt import GPTModel
 
+        from megarl.models import packed_rope
+        from megarl.models.fused_norm import fuse_rms_norms
+
+        packed_rope.use()
         kwargs = self.architecture.gpt_model_kwargs(self.hf_config)
         if vp_stage is not None:
             kwargs["vp_stage"] = vp_stage
-        return GPTModel(
+        model = GPTModel(
             config=config, transformer_layer_spec=self.layer_spec(config, vp_stage=vp_stage),
             vocab_size=self.padded_vocab_size(config.tensor_model_parallel_size),
             pre_process=pre_process, post_process=post_process,
             share_embeddings_and_output_weights=self.tied_embeddings if tie_embeddings is None else tie_embeddings,
             **kwargs,
         )
+        if self.spec == "local":  # the local spec's norms are PyTorch's unfused RMSNorm (TE fuses its own)
+            fuse_rms_norms(model)
+        return model
 
     # ------------------------------------------------------------------ names
     def iter_global_mcore_names(self) -> Iterator[str]:
@@ -272,34 +279,10 @@ class ModelBridge:
 
     # ------------------------------------------------------------------ tensors
     def hf_to_mcore(self, global_name: str, hf_tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        rule = self.rule(global_name)
-        missing = [n for n in rule.hf_names if n not in hf_tensors]
-        if missing:
-            raise KeyError(f"{global_name} needs HF tensors {missing}")
-        parts = [hf_tensors[n] for n in rule.hf_names]
-        if rule.fusion == "qkv":
-            return fuse_qkv(*parts, rule.qkv)
-        if rule.fusion == "gate_up":
-            if parts[0].shape != parts[1].shape:
-                raise ValueError(f"{global_name}: gate {tuple(parts[0].shape)} and up {tuple(parts[1].shape)} differ")
-            return torch.cat(parts, dim=0)
-        if rule.fusion == "vocab":
-            if parts[0].shape[0] != rule.vocab_size:
-                raise ValueError(f"{rule.hf_names[0]} has {parts[0].shape[0]} rows, config vocab_size is "
-                                 f"{rule.vocab_size}")
-            return pad_vocab(parts[0], self.padded_vocab_size(1))
-        return parts[0]
+        return self.tensors.hf_to_mcore(global_name, hf_tensors)
 
     def mcore_to_hf(self, global_name: str, full_tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        rule = self.rule(global_name)
-        if rule.fusion == "qkv":
-            return list(zip(rule.hf_names, split_qkv(full_tensor, rule.qkv)))
-        if rule.fusion == "gate_up":
-            gate, up = torch.chunk(full_tensor, 2, dim=0)
-            return [(rule.hf_names[0], gate.contiguous()), (rule.hf_names[1], up.contiguous())]
-        if rule.fusion == "vocab":
-            return [(rule.hf_names[0], full_tensor[: rule.vocab_size].contiguous())]
-        return [(rule.hf_names[0], full_tensor)]
+        return self.tensors.mcore_to_hf(global_name, full_tensor)
 
     def full_shape(self, global_name: str, hf_shapes: Optional[dict[str, Sequence[int]]] = None) -> tuple[int, ...]:
         """The full (TP=1) shape, computed from HF tensor shapes via meta tensors."""
@@ -313,12 +296,10 @@ class ModelBridge:
         return self.rule(global_name).tp_partition_dim
 
     def shard_tp(self, global_name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-        rule = self.rule(global_name)
-        return shard_tensor(rule, full, tp_rank, tp_size, padded_rows=self.padded_vocab_size(tp_size))
+        return self.tensors.shard_tp(global_name, full, tp_rank, tp_size)
 
     def merge_tp(self, global_name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-        rule = self.rule(global_name)
-        return merge_shards(rule, shards, full_rows=self.padded_vocab_size(1))
+        return self.tensors.merge_tp(global_name, shards)
 
     # ------------------------------------------------------------------ PP / EP names
     def global_to_local_name(self, global_name: str, *, layer_offset: int, num_layers_this_stage: int,

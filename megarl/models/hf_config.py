@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-import transformers
+if TYPE_CHECKING:
+    import transformers
 
 HFConfigLike = Union["transformers.PretrainedConfig", dict, str, os.PathLike]
 
 
 def load_hf_config(source: HFConfigLike) -> "transformers.PretrainedConfig":
+    # imported here, not above: transformers costs seconds to import, and a process that only moves tensors
+    # (a conversion worker) reaches this module without needing it
+    import transformers
+
     if isinstance(source, transformers.PretrainedConfig):
         return source
     if isinstance(source, dict):

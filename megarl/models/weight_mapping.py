@@ -13,7 +13,7 @@ The functions here are pure tensor reshuffles (bit exact, no arithmetic). They l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
@@ -57,6 +57,70 @@ class ParamRule:
     @property
     def tp_partition_dim(self) -> Optional[int]:
         return {"replicated": None, "column": 0, "row": 1, "vocab": 0, "gate_up": 0}[self.tp_kind]
+
+
+@dataclass(frozen=True)
+class TensorConverter:
+    """Every tensor move of a set of parameters: made from HF tensors, split over TP ranks, and back.
+
+    What a conversion worker needs of a model and no more: plain data that pickles small and imports
+    neither transformers nor megatron, so a worker process starts in an interpreter plus torch's import.
+    The bridge holds one for the whole model and delegates to it."""
+
+    rules: Mapping[str, ParamRule]  # global megatron name -> rule
+    vocab_size: int  # unpadded (HF) vocabulary rows
+    make_vocab_size_divisible_by: int = 128
+
+    def rule(self, global_name: str) -> ParamRule:
+        try:
+            return self.rules[global_name]
+        except KeyError:
+            raise KeyError(f"{global_name!r} is not one of the {len(self.rules)} parameters this converter "
+                           f"knows") from None
+
+    def subset(self, global_names) -> "TensorConverter":
+        return TensorConverter({name: self.rule(name) for name in global_names}, self.vocab_size,
+                               self.make_vocab_size_divisible_by)
+
+    def padded_vocab_size(self, tp_size: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp_size
+        return -(-self.vocab_size // multiple) * multiple
+
+    def hf_to_mcore(self, global_name: str, hf_tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        rule = self.rule(global_name)
+        missing = [n for n in rule.hf_names if n not in hf_tensors]
+        if missing:
+            raise KeyError(f"{global_name} needs HF tensors {missing}")
+        parts = [hf_tensors[n] for n in rule.hf_names]
+        if rule.fusion == "qkv":
+            return fuse_qkv(*parts, rule.qkv)
+        if rule.fusion == "gate_up":
+            if parts[0].shape != parts[1].shape:
+                raise ValueError(f"{global_name}: gate {tuple(parts[0].shape)} and up {tuple(parts[1].shape)} differ")
+            return torch.cat(parts, dim=0)
+        if rule.fusion == "vocab":
+            if parts[0].shape[0] != rule.vocab_size:
+                raise ValueError(f"{rule.hf_names[0]} has {parts[0].shape[0]} rows, config vocab_size is "
+                                 f"{rule.vocab_size}")
+            return pad_vocab(parts[0], self.padded_vocab_size(1))
+        return parts[0]
+
+    def mcore_to_hf(self, global_name: str, full_tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        rule = self.rule(global_name)
+        if rule.fusion == "qkv":
+            return list(zip(rule.hf_names, split_qkv(full_tensor, rule.qkv)))
+        if rule.fusion == "gate_up":
+            gate, up = torch.chunk(full_tensor, 2, dim=0)
+            return [(rule.hf_names[0], gate.contiguous()), (rule.hf_names[1], up.contiguous())]
+        if rule.fusion == "vocab":
+            return [(rule.hf_names[0], full_tensor[: rule.vocab_size].contiguous())]
+        return [(rule.hf_names[0], full_tensor)]
+
+    def shard_tp(self, global_name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        return shard_tensor(self.rule(global_name), full, tp_rank, tp_size, padded_rows=self.padded_vocab_size(tp_size))
+
+    def merge_tp(self, global_name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        return merge_shards(self.rule(global_name), shards, full_rows=self.padded_vocab_size(1))
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: QKVShape) -> torch.Tensor:

@@ -148,6 +148,29 @@ def test_killed_conversion_resumes_to_the_same_checkpoint(tmp_path):
         assert torch.equal(clean[key], again[key]), key
 
 
+@pytest.mark.timeout(240)
+def test_a_worker_killed_mid_part_fails_the_run_at_once_and_the_rerun_finishes(tmp_path, monkeypatch):
+    """A dead worker (SIGKILL, as the OOM killer sends) must not leave the parent waiting for its result."""
+    import time
+
+    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.models.tiny import save_tiny_hf_checkpoint
+
+    hf_dir = save_tiny_hf_checkpoint("qwen2", tmp_path / "hf", seed=5)
+    monkeypatch.setenv(KILL_AFTER_ENV, "3")  # inherited by the spawned workers
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"a conversion worker stopped while running part\d+ .* rerun the same"):
+        convert_hf_to_mcore(hf_dir, tmp_path / "out", workers=2, max_file_bytes=20_000)
+    assert time.monotonic() - started < 120
+    assert not (tmp_path / "out" / TRACKER_FILE).exists()
+    monkeypatch.delenv(KILL_AFTER_ENV)
+    convert_hf_to_mcore(hf_dir, tmp_path / "out", workers=2, max_file_bytes=20_000)
+    assert (tmp_path / "out" / TRACKER_FILE).exists()
+    convert_hf_to_mcore(hf_dir, tmp_path / "clean", max_file_bytes=20_000)
+    clean, again = _all_keys(tmp_path / "clean"), _all_keys(tmp_path / "out")
+    assert clean.keys() == again.keys() and all(torch.equal(clean[k], again[k]) for k in clean)
+
+
 def test_weights_that_do_not_match_the_config_are_named_and_nothing_is_marked_complete(tmp_path):
     from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint

@@ -32,17 +32,25 @@ def _log_probs_both_ways(rank, arch, cp=1):
     engine = ActorEngine(model_provider=provider, config=config, micro_batch_size=2,
                          vocab_size=bridge.dims.vocab_size)
     batch = synthetic_batch(rows=6, seed=2)
-    out = {"mask": batch.response_mask.bool()}
+    out = {"mask": batch.response_mask.bool(), "norms": _norm_types(engine.model)}
     for name, micro_batching in (("padded", MicroBatching()), ("packed", MicroBatching(True, 24))):
         engine.micro_batching = micro_batching
         out[name] = engine.compute_log_probs(batch)[0]
     return out
 
 
+def _norm_types(chunks) -> dict:
+    from collections import Counter
+
+    return dict(Counter(type(m).__name__ for chunk in chunks for m in chunk.modules() if "Norm" in type(m).__name__))
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_packed_log_probs_equal_padded_for_every_architecture(arch):
     out = run_distributed(_log_probs_both_ways, 1, arch, timeout_s=180)[0]
+    # the bridge fused every RMSNorm of the local spec (layers, q/k and MLA latent norms, the final one)
+    assert out["norms"].get("FusedRMSNorm", 0) > 0 and "RMSNorm" not in out["norms"], out["norms"]
     mask = out["mask"]
     assert out["padded"][mask].std() > 0  # real, varied log-probs, not a constant
     assert_close_to_scale(out["packed"][mask], out["padded"][mask], FP32_REORDERED, "packed vs padded")

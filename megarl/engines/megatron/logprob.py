@@ -22,12 +22,12 @@ Leaves out: context/sequence-parallel splitting of the sequence dimension (logit
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megarl.models import compiled
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> torch.Tensor:
@@ -132,30 +132,9 @@ def _chunk_backward(logits, target, log_norm, entropy, grad_log_probs, grad_entr
     return grad.to(logits.dtype)
 
 
-# On CUDA the chunk functions run torch.compile'd: Inductor fuses each into a few kernels that read the bf16
-# logits once or twice, instead of ~10 eager passes over fp32 temporaries (the log-prob step was ~12% of a
-# 1.5B packed actor update on an H200). MEGARL_COMPILE_LOGPROB=0 turns it off; a compile failure falls back
-# to eager (with a warning) for the rest of the process.
-_compiled: dict = {}  # eager chunk function -> its compiled twin; "failed" once a compile has failed
-
-
-def _compile_wanted(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("MEGARL_COMPILE_LOGPROB", "1") != "0"
-
-
-def _run_chunk(eager, device: torch.device, *args):
-    """``eager(*args)``, through its compiled twin where that is wanted and has not failed."""
-    if _compiled.get("failed") or not _compile_wanted(device):
-        return eager(*args)
-    if eager not in _compiled:
-        _compiled[eager] = torch.compile(eager, dynamic=True)
-    try:
-        return _compiled[eager](*args)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager function is still correct
-        warnings.warn(f"torch.compile of the log-prob kernels failed ({type(exc).__name__}: {exc}); "
-                      f"using eager kernels", RuntimeWarning)
-        _compiled["failed"] = True
-        return eager(*args)
+# On CUDA the chunk functions run torch.compile'd (megarl.models.compiled): Inductor fuses each into a few
+# kernels that read the bf16 logits once or twice, instead of ~10 eager passes over fp32 temporaries (the
+# log-prob step was ~12% of a 1.5B packed actor update on an H200).
 
 
 class _FullVocabLogProbEntropy(torch.autograd.Function):
@@ -170,8 +149,8 @@ class _FullVocabLogProbEntropy(torch.autograd.Function):
         starts, step = _row_chunks(rows, cols)
         for start in starts:
             sl = slice(start, start + step)
-            log_probs[sl], entropy[sl], log_norm[sl] = _run_chunk(_chunk_forward, logits.device, logits[sl],
-                                                                 target[sl], temperature)
+            log_probs[sl], entropy[sl], log_norm[sl] = compiled.call(_chunk_forward, logits.device, logits[sl],
+                                                                     target[sl], temperature)
         ctx.save_for_backward(logits, target, log_norm, entropy)
         ctx.set_materialize_grads(False)
         ctx.temperature = temperature
@@ -187,8 +166,8 @@ class _FullVocabLogProbEntropy(torch.autograd.Function):
         starts, step = _row_chunks(*logits.shape)
         for start in starts:
             sl = slice(start, start + step)
-            grad[sl] = _run_chunk(_chunk_backward, logits.device, logits[sl], target[sl], log_norm[sl], entropy[sl],
-                                  grad_log_probs[sl], grad_entropy[sl], ctx.temperature)
+            grad[sl] = compiled.call(_chunk_backward, logits.device, logits[sl], target[sl], log_norm[sl],
+                                     entropy[sl], grad_log_probs[sl], grad_entropy[sl], ctx.temperature)
         return grad, None, None
 
 

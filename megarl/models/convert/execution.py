@@ -7,9 +7,11 @@ CRC32, one fsynced line per file) under the output directory. The first line hol
 plan: rerunning with the same inputs and options resumes (finished tasks are skipped, stray temp
 files are removed); rerunning with different ones into the same directory is refused.
 
-Workers are ``spawn`` ed processes (fork after torch has started threads can deadlock); each builds its
-own context once (bridge, source index) and then runs tasks. With ``workers=1`` everything runs in the
-calling process.
+Workers are forked from a fresh ``forkserver`` process that has imported torch and the task code once (a fork
+from the parent, where torch may have started threads, can deadlock; ``spawn`` makes every worker import
+torch itself, which on a 16-core GPU host took 18 s for 16 workers at once). Each worker gets the parent's
+environment and builds its context once (plain data: the tensor rules, the output directory), then runs tasks.
+With ``workers=1`` everything runs in the calling process.
 
 Fault injection for tests: ``MEGARL_CONVERT_KILL_AFTER_TENSORS=N`` makes a process SIGKILL itself
 after writing its N-th tensor (mid-file), the way an OOM kill or a node failure would stop it.
@@ -20,6 +22,7 @@ output ranks instead; the format does not need a coordinator).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -28,8 +31,10 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 from megarl.models.convert.safetensors_stream import PlannedTensor, fsync_directory
 
@@ -154,60 +159,149 @@ TaskFn = Callable[[Any, Task], list[tuple[str, int, int]]]
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(make_context: Callable[..., Any], context_args: tuple, run_task: TaskFn) -> None:
+def _init_worker(environment: dict[str, str], make_context: Callable[..., Any], context_args: tuple,
+                 run_task: TaskFn) -> None:
+    # a forked worker has the fork server's environment, from when it started; the pool's owner's counts
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)  # workers are the parallelism; intra-op threads would oversubscribe cores
     _WORKER["context"] = make_context(*context_args)
     _WORKER["run_task"] = run_task
+    _WORKER["ready_at"] = time.time()
 
 
 def _run_in_worker(task: Task):
-    return task, _WORKER["run_task"](_WORKER["context"], task)
+    started = time.time()
+    results = _WORKER["run_task"](_WORKER["context"], task)
+    return task, results, _WORKER["ready_at"], started, time.time()
+
+
+def _ready_at() -> float:
+    return _WORKER["ready_at"]
+
+
+def _worker_start_method(preload: list[str]) -> mp.context.BaseContext:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", __name__, *preload])  # used when this program's fork server starts
+    return context
+
+
+def start_worker_server(preload: list[str]) -> None:
+    """Start the fork server now, in the background, so that its imports (torch's: seconds on a GPU host)
+    overlap whatever this process does before it makes its :class:`WorkerPool`."""
+    if "forkserver" in mp.get_all_start_methods():
+        from multiprocessing import forkserver
+
+        _worker_start_method(preload)
+        threading.Thread(target=forkserver.ensure_running, name="conversion-fork-server", daemon=True).start()
+
+
+class WorkerPool:
+    """``workers`` processes, each with its context built once.
+
+    Made before the plan so that their start-up (a fork, the context) overlaps the planning in this process
+    instead of following it. A worker that dies (OOM killer, a signal) breaks the pool: the run fails at
+    once, naming it, instead of waiting for a result that will not come. ``preload``: modules the tasks
+    import lazily, imported once in the fork server instead of in every worker."""
+
+    def __init__(self, workers: int, make_context: Callable[..., Any], context_args: tuple, run_task: TaskFn,
+                 preload: tuple[str, ...] = ()):
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.workers = workers
+        self.created_at = time.time()
+        start_method = _worker_start_method([make_context.__module__, run_task.__module__, *preload])
+        self.executor = ProcessPoolExecutor(workers, mp_context=start_method, initializer=_init_worker,
+                                            initargs=(dict(os.environ), make_context, context_args, run_task))
+        # Executors add a process per submission that finds none idle: one call each starts all of them. From a
+        # thread, because starting the first waits for the fork server's imports, which this process need not.
+        self._starter = threading.Thread(target=self._start_all, name="conversion-workers-start", daemon=True)
+        self._starter.start()
+
+    def _start_all(self) -> None:
+        for _ in range(self.workers):
+            self.executor.submit(_ready_at)
+
+    def __enter__(self) -> "WorkerPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._starter.join()
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
 class RunStats:
     tasks_total: int = 0
     tasks_skipped: int = 0
-    bytes_written: int = 0
+    bytes_written: int = 0  # the output files' sizes
+    bytes_converted: int = 0  # the planned tensors' bytes of the tasks run
     records: dict[str, FileRecord] = field(default_factory=dict)
+    seconds: float = 0.0  # running the tasks, from the first submitted to the last finished
+    busy_seconds: float = 0.0  # the tasks' own times added up
+    startup_seconds: float = 0.0  # from the pool's creation until its last used worker was ready
+    slowest_task: tuple[str, float] = ("", 0.0)
+
+    def summary(self, concurrency: int) -> str:
+        ran = self.tasks_total - self.tasks_skipped
+        use = self.busy_seconds / (self.seconds * concurrency) if self.seconds and concurrency else 0.0
+        return (f"{ran} task(s) on {concurrency} worker(s) in {self.seconds:.1f} s, workers busy {use:.0%} of it "
+                f"(start-up {self.startup_seconds:.1f} s; slowest task {self.slowest_task[0]} "
+                f"{self.slowest_task[1]:.1f} s; {self.bytes_converted / 1e9:.2f} GB)")
 
 
 def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
               make_context: Callable[..., Any], context_args: tuple, run_task: TaskFn,
-              description: str) -> RunStats:
-    """Run every unfinished task; returns the records of all output files (old and new)."""
+              description: str, pool: Optional[WorkerPool] = None) -> RunStats:
+    """Run every unfinished task, largest first (the last to finish is then a small one), at most ``workers``
+    at a time, in ``pool`` if given (else in a pool made here, or in this process for one worker); returns
+    the records of all output files (old and new) and the run's timings."""
     from tqdm import tqdm
 
     manifest = ProgressManifest(out_dir, plan_hash)
-    todo = [task for task in tasks if not manifest.is_done(task)]
+    todo = sorted((task for task in tasks if not manifest.is_done(task)), key=lambda task: -task.nbytes)
     stats = RunStats(tasks_total=len(tasks), tasks_skipped=len(tasks) - len(todo))
     if stats.tasks_skipped:
         logger.info("resuming: %d of %d tasks already finished in %s", stats.tasks_skipped, len(tasks), out_dir)
     bar = tqdm(total=sum(t.nbytes for t in todo), unit="B", unit_scale=True, desc=description, disable=None)
+    concurrency = max(1, min(workers, len(todo)))
+    started = time.time()
 
-    def finish(task: Task, results: list[tuple[str, int, int]]) -> None:
+    def finish(task: Task, results: list[tuple[str, int, int]], task_started: float, task_ended: float) -> None:
         for rel_path, size, crc in results:
             manifest.record(rel_path, size, crc)
             stats.bytes_written += size
+        stats.bytes_converted += task.nbytes
+        stats.busy_seconds += task_ended - task_started
+        if task_ended - task_started >= stats.slowest_task[1]:
+            stats.slowest_task = (task.task_id, task_ended - task_started)
         bar.update(task.nbytes)
 
     finished: set[str] = set()
     try:
-        if workers <= 1 or len(todo) <= 1:
+        if pool is None and concurrency == 1:
             context = make_context(*context_args)
             for task in todo:
-                finish(task, run_task(context, task))
+                task_started = time.time()
+                results = run_task(context, task)
+                finish(task, results, task_started, time.time())
                 finished.add(task.task_id)
         else:
-            ctx = mp.get_context("spawn")
-            with ctx.Pool(min(workers, len(todo)), initializer=_init_worker,
-                          initargs=(make_context, context_args, run_task), maxtasksperchild=None) as pool:
-                for task, results in pool.imap_unordered(_run_in_worker, todo):
-                    finish(task, results)
+            with contextlib.ExitStack() as stack:
+                if pool is None:
+                    pool = stack.enter_context(WorkerPool(concurrency, make_context, context_args, run_task))
+                concurrency = min(concurrency, pool.workers)
+                ready = 0.0
+                for task, results, ready_at, task_started, task_ended in _run_bounded(pool, todo, concurrency):
+                    ready = max(ready, ready_at)
+                    finish(task, results, task_started, task_ended)
                     finished.add(task.task_id)
+                stats.startup_seconds = max(0.0, ready - pool.created_at)
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
@@ -220,5 +314,38 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
                                     f"files") from error
     finally:
         bar.close()
+    stats.seconds = time.time() - started
     stats.records = dict(manifest.done)
+    if todo:
+        logger.info("%s: %s", description, stats.summary(concurrency))
     return stats
+
+
+def _run_bounded(pool: WorkerPool, todo: list[Task], limit: int) -> Iterator[tuple]:
+    """``todo`` run in ``pool`` in order with at most ``limit`` in flight (the memory budget may allow fewer
+    than the pool's workers); yields each result as it finishes, re-raising a task's failure."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    pending = iter(todo)
+    running: dict = {}
+
+    def submit() -> None:
+        task = next(pending, None)
+        if task is not None:
+            running[pool.executor.submit(_run_in_worker, task)] = task
+
+    for _ in range(limit):
+        submit()
+    while running:
+        finished, _ = wait(running, return_when=FIRST_COMPLETED)
+        for future in finished:
+            task = running.pop(future)
+            try:
+                result = future.result()
+            except BrokenProcessPool as error:
+                raise RuntimeError(f"a conversion worker stopped while running {task.task_id} (its error is "
+                                   f"printed above if it raised one; otherwise a signal or the OOM killer "
+                                   f"ended it); rerun the same command to resume") from error
+            yield result
+            submit()

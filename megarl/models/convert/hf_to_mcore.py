@@ -20,6 +20,7 @@ Left out: uneven pipeline splits, virtual pipeline stages, expert-TP different f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,13 +31,16 @@ from typing import Optional
 import torch
 
 from megarl.models import mcore_checkpoint as fmt
-from megarl.models.convert.execution import OutputFile, Task, hash_plan, note_tensor_written, run_tasks
+from megarl.models.convert.execution import (
+    OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks, start_worker_server,
+)
 from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blockwise, fp8_block_size
 from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
 from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
 from megarl.models.convert.safetensors_stream import (
     PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_tensor,
 )
+from megarl.models.weight_mapping import TensorConverter
 
 logger = logging.getLogger(__name__)
 
@@ -172,15 +176,16 @@ def peak_bytes_per_worker(tasks: list[Task]) -> int:
 # ---------------------------------------------------------------------------------------- execution
 @dataclass
 class _Context:
-    bridge: object
+    """What a worker holds: plain data, so that it starts without importing transformers or megatron."""
+
+    tensors: TensorConverter
     options: ConversionOptions
     out_dir: str
     fp8_block: tuple[int, int]
 
 
-def _make_context(hf_config: dict, options: ConversionOptions, out_dir: str) -> _Context:
-    return _Context(_bridge(hf_config, options.spec), options, out_dir,
-                    fp8_block_size(hf_config.get("quantization_config")))
+def _context_args(bridge, hf_config: dict, options: ConversionOptions, out_dir: str) -> tuple:
+    return bridge.tensors, options, out_dir, fp8_block_size(hf_config.get("quantization_config"))
 
 
 def _load_source(source: Source, context: _Context) -> torch.Tensor:
@@ -193,16 +198,16 @@ def _load_source(source: Source, context: _Context) -> torch.Tensor:
 
 
 def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
-    bridge, tp = context.bridge, context.options.tp
+    tensors, tp = context.tensors, context.options.tp
     writers = [StreamingSafetensorsWriter(os.path.join(context.out_dir, f.rel_path), list(f.tensors))
                for f in task.files]
     try:
         for entry in task.payload:
             hf_tensors = {s.hf_name: _load_source(s, context) for s in entry.sources}
-            full = bridge.hf_to_mcore(entry.global_name, hf_tensors)
+            full = tensors.hf_to_mcore(entry.global_name, hf_tensors)
             del hf_tensors
             for tp_rank, writer in enumerate(writers):
-                writer.add(entry.local_name, bridge.shard_tp(entry.global_name, full, tp_rank, tp))
+                writer.add(entry.local_name, tensors.shard_tp(entry.global_name, full, tp_rank, tp))
                 note_tensor_written()
             del full
         return [(f.rel_path, *writer.close()) for f, writer in zip(task.files, writers)]
@@ -271,8 +276,8 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     workers = _workers_within_budget(tasks, workers, memory_budget_bytes)
     plan_hash = hash_plan(tasks, {"direction": "hf_to_mcore", "options": options.__dict__, "sources": sorted(
         (loc.name, os.path.basename(loc.path), loc.start, loc.end) for loc in locations.values())})
-    stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
-                      context_args=(hf_config, options, out_dir), run_task=_run_task,
+    stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_Context,
+                      context_args=_context_args(bridge, hf_config, options, out_dir), run_task=_run_task,
                       description="hf->mcore")
     assets = _copy_hf_assets(hf_dir, out_dir)
     metadata = _metadata(bridge, hf_config, options, stages, local_experts, tasks, stats.records, assets,
@@ -371,7 +376,7 @@ def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, 
             current.clear()
             entry = entries[item.param]
             hf_tensors = {s.hf_name: _load_source(s, context) for s in entry.sources}
-            current[item.param] = context.bridge.hf_to_mcore(item.param, hf_tensors).contiguous()
+            current[item.param] = context.tensors.hf_to_mcore(item.param, hf_tensors).contiguous()
         chunk = item.take(current[item.param])
         note_tensor_written()
         return chunk
@@ -385,16 +390,31 @@ def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, 
 
 def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.dtype], workers: int,
                            memory_budget_bytes: Optional[int], max_file_bytes: int) -> dict:
-    from megarl.models.convert.torch_dist import (
-        ITERATION_DIR, PARTS_DIR, TRACKER_FILE, checkpoint_layout, mark_latest, merge_parts,
-    )
+    from megarl.models.convert.torch_dist import TRACKER_FILE, WORKER_MODULES
 
     if os.path.isfile(os.path.join(out_dir, TRACKER_FILE)):
         raise FileExistsError(f"{os.path.join(out_dir, TRACKER_FILE)} exists: {out_dir} already holds a finished "
                               f"checkpoint")
+    if workers > 1:
+        start_worker_server([__name__, *WORKER_MODULES])
     hf_config = read_hf_config_dict(hf_dir)
     options = ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype, spec="local", max_file_bytes=max_file_bytes)
     bridge = _bridge(hf_config, "local")  # the checkpoint's keys are the same for the TE spec
+    context_args = _context_args(bridge, hf_config, options, out_dir)
+    # the workers start while megatron describes the checkpoint (a meta model: seconds)
+    with (WorkerPool(workers, _Context, context_args, _run_torch_dist_task, preload=WORKER_MODULES)
+          if workers > 1 else contextlib.nullcontext()) as pool:
+        return _convert_to_torch_dist_with(hf_dir, out_dir, bridge, hf_config, options, context_args, workers,
+                                           memory_budget_bytes, pool)
+
+
+def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: dict, options: ConversionOptions,
+                                context_args: tuple, workers: int, memory_budget_bytes: Optional[int],
+                                pool: Optional[WorkerPool]) -> dict:
+    from megarl.models.convert.torch_dist import (
+        ITERATION_DIR, PARTS_DIR, checkpoint_layout, mark_latest, merge_parts,
+    )
+
     layout = checkpoint_layout(bridge)
     locations = index_hf_safetensors(hf_dir)
     tasks = plan_torch_dist(bridge, layout, locations, options)
@@ -406,9 +426,9 @@ def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.d
         for name in os.listdir(parts_root):
             if ".tmp-" in name:
                 shutil.rmtree(os.path.join(parts_root, name), ignore_errors=True)
-    stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
-                      context_args=(hf_config, options, out_dir), run_task=_run_torch_dist_task,
-                      description="hf->torch_dist")
+    stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_Context,
+                      context_args=context_args, run_task=_run_torch_dist_task, description="hf->torch_dist",
+                      pool=pool)
     shapes = merge_parts(os.path.join(out_dir, ITERATION_DIR), [task.task_id for task in tasks])
     assets = _copy_hf_assets(hf_dir, out_dir)
     metadata = {"format": "torch_dist", "arch": bridge.hf_architecture, "hf_config": hf_config,

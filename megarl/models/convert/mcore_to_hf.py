@@ -24,6 +24,7 @@ Left out: re-quantising to FP8, writing MTP layers (they were not converted).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,13 +35,16 @@ from typing import Optional
 import torch
 
 from megarl.models import mcore_checkpoint as fmt
-from megarl.models.convert.execution import OutputFile, Task, hash_plan, note_tensor_written, run_tasks
+from megarl.models.convert.execution import (
+    OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks, start_worker_server,
+)
 from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names, write_json_atomically
 from megarl.models.convert.placement import place_global_tensor
 from megarl.models.convert.safetensors_stream import (
     PlannedTensor, StreamingSafetensorsWriter, TensorLocation, fsync_directory, read_safetensors_header,
     read_tensor,
 )
+from megarl.models.weight_mapping import TensorConverter
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +96,10 @@ def plan_mcore_to_hf(bridge, metadata: fmt.MCoreCheckpointMetadata, ckpt_dir: st
 
 @dataclass
 class _Context:
-    bridge: object
+    """What a worker holds: plain data, so that it starts without importing transformers or megatron."""
+
+    tensors: TensorConverter
     out_dir: str
-
-
-def _make_context(ckpt_dir: str, out_dir: str) -> _Context:
-    return _Context(_bridge(fmt.read_metadata(ckpt_dir)), out_dir)
 
 
 def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int, int]]:
@@ -108,7 +110,7 @@ def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int,
     try:
         for entry in task.payload:
             full = full_parameter(entry)
-            for hf_name, tensor in context.bridge.mcore_to_hf(entry.global_name, full):
+            for hf_name, tensor in context.tensors.mcore_to_hf(entry.global_name, full):
                 writer.add(hf_name, tensor)
                 note_tensor_written()
             del full
@@ -119,7 +121,7 @@ def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int,
 
 
 def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
-    return _write_hf_shard(context, task, lambda entry: context.bridge.merge_tp(
+    return _write_hf_shard(context, task, lambda entry: context.tensors.merge_tp(
         entry.global_name, [read_tensor(loc) for loc in entry.shards]))
 
 
@@ -160,8 +162,8 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
     tasks = plan_mcore_to_hf(bridge, metadata, ckpt_dir, max_shard_bytes)
     plan_hash = hash_plan(tasks, {"direction": "mcore_to_hf", "source": os.path.abspath(ckpt_dir),
                                   "files": {r: e["files"] for r, e in metadata.raw["ranks"].items()}})
-    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_context,
-              context_args=(ckpt_dir, out_dir), run_task=_run_task, description="mcore->hf")
+    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_Context,
+              context_args=(bridge.tensors, out_dir), run_task=_run_task, description="mcore->hf")
     assets_dir = os.path.join(ckpt_dir, fmt.HF_ASSETS_DIR)
     for name in metadata.raw.get("hf_assets", []):
         if name != "config.json":
@@ -235,25 +237,44 @@ def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, 
 
 @dataclass
 class _DistContext:
-    bridge: object
+    tensors: TensorConverter
     reader: object
     out_dir: str
 
 
-def _make_dist_context(hf_config: dict, ckpt_dir: str, out_dir: str) -> _DistContext:
-    from megarl.models.bridge import ModelBridge
+def _make_dist_context(tensors: TensorConverter, ckpt_dir: str, out_dir: str) -> _DistContext:
     from megarl.models.convert.torch_dist import TorchDistReader
 
-    return _DistContext(ModelBridge.from_hf_config(dict(hf_config), spec="local"), TorchDistReader(ckpt_dir), out_dir)
+    return _DistContext(tensors, TorchDistReader(ckpt_dir), out_dir)
 
 
 def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int, workers: int,
                               hf_config_dir: Optional[str]) -> dict:
     from megarl.models.bridge import ModelBridge
-    from megarl.models.convert.torch_dist import TorchDistReader, checkpoint_layout
+    from megarl.models.convert.torch_dist import WORKER_MODULES
 
+    if workers > 1:
+        start_worker_server([__name__, *WORKER_MODULES])
     hf_config, record, assets_dir = _dist_hf_config(ckpt_dir, hf_config_dir)
     bridge = ModelBridge.from_hf_config(dict(hf_config), spec="local")
+    context_args = (bridge.tensors, ckpt_dir, out_dir)
+    # the workers start while megatron describes the checkpoint (a meta model: seconds)
+    with (WorkerPool(workers, _make_dist_context, context_args, _run_dist_task, preload=WORKER_MODULES)
+          if workers > 1 else contextlib.nullcontext()) as pool:
+        tasks = _plan_torch_dist_to_hf(ckpt_dir, bridge, max_shard_bytes)
+        plan_hash = hash_plan(tasks, {"direction": "torch_dist_to_hf", "source": os.path.abspath(ckpt_dir)})
+        run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_dist_context,
+                  context_args=context_args, run_task=_run_dist_task, description="torch_dist->hf", pool=pool)
+    for name in hf_asset_names(assets_dir) if assets_dir and os.path.isdir(assets_dir) else []:
+        if name != "config.json":
+            shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
+    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(hf_config, record))
+    return _finish(tasks, out_dir)
+
+
+def _plan_torch_dist_to_hf(ckpt_dir: str, bridge, max_shard_bytes: int) -> list[Task]:
+    from megarl.models.convert.torch_dist import TorchDistReader, checkpoint_layout
+
     reader = TorchDistReader(ckpt_dir)
     layout = checkpoint_layout(bridge)
     groups = []
@@ -268,12 +289,4 @@ def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: i
         groups.append((DistEntry(name, tuple(layout.param_shapes[name]), dtype, tuple(items)), planned))
     order = {name: i for i, name in enumerate(bridge.iter_global_mcore_names())}
     groups.sort(key=lambda group: order[group[0].global_name])
-    tasks = _pack_into_shards(groups, max_shard_bytes)
-    plan_hash = hash_plan(tasks, {"direction": "torch_dist_to_hf", "source": os.path.abspath(reader.path)})
-    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_dist_context,
-              context_args=(hf_config, ckpt_dir, out_dir), run_task=_run_dist_task, description="torch_dist->hf")
-    for name in hf_asset_names(assets_dir) if assets_dir and os.path.isdir(assets_dir) else []:
-        if name != "config.json":
-            shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
-    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(hf_config, record))
-    return _finish(tasks, out_dir)
+    return _pack_into_shards(groups, max_shard_bytes)

@@ -47,6 +47,9 @@ PARTS_DIR = "parts"
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
 
+# what a conversion worker reading or writing this format imports: loaded once, in the fork server
+WORKER_MODULES = ("megarl.models.convert.torch_dist", "torch.distributed.checkpoint")
+
 
 @dataclass(frozen=True)
 class TensorItem:
