@@ -3,7 +3,8 @@
 Without Transformer Engine or Apex, megatron's local spec builds ``torch.nn.RMSNorm``, whose CUDA path is
 PyTorch's composite: upcast, square, mean, add, rsqrt, multiply, cast, multiply by the weight, each its own
 kernel over the whole activation, and about as many again in the backward. For a 1.5B model's packed update on
-an H200 the norms took ~11% of the GPU time (``docs/benchmarks.md``). :class:`FusedRMSNorm` computes the same
+an H200 the norms took ~11% of the GPU time (``docs/benchmarks.md``): megatron's norm weights are fp32 beside
+bf16 activations, and PyTorch's own fused kernel refuses mixed dtypes. :class:`FusedRMSNorm` computes the same
 formula (fp32 statistics, normalised value cast to the input's dtype, then times the weight, as PyTorch and HF's
 Qwen2/Llama norms do) through a torch.compile'd function; on CPU it calls PyTorch's ``rms_norm`` itself.
 
@@ -21,7 +22,9 @@ from megarl.models import compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     normalised = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return normalised.type_as(x) * weight
+    # megatron's local spec keeps the norm weights fp32 beside bf16 activations (WrappedTorchNorm passes no
+    # dtype): the output stays in the input's dtype, as PyTorch's rms_norm returns it
+    return (normalised.type_as(x) * weight).type_as(x)
 
 
 class FusedRMSNorm(torch.nn.Module):

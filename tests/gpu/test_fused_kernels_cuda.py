@@ -21,7 +21,7 @@ def test_fused_rms_norm_is_torchs_rms_norm_forward_and_backward():
     from megarl.models.fused_norm import FusedRMSNorm
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    reference = torch.nn.RMSNorm(1536, eps=1e-6, device="cuda", dtype=torch.bfloat16)
+    reference = torch.nn.RMSNorm(1536, eps=1e-6, device="cuda")  # fp32 weight, as megatron builds it
     with torch.no_grad():
         reference.weight.copy_(1 + 0.2 * torch.randn(1536, device="cuda", generator=g))
     fused = FusedRMSNorm(torch.nn.Parameter(reference.weight.detach().clone()), 1e-6)

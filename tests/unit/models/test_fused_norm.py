@@ -12,11 +12,12 @@ def _reference(x, weight, eps):  # fp64 statistics: what every implementation ap
     return (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double() * weight.double()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_formula_is_pytorchs_rms_norm(dtype):
+@pytest.mark.parametrize("dtype, weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                 (torch.bfloat16, torch.float32)])  # the last: megatron's mix
+def test_the_formula_is_pytorchs_rms_norm(dtype, weight_dtype):
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(64, 2, 96, generator=g)).to(dtype)
-    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=g)).to(weight_dtype)
     got = rms_norm(x, weight, 1e-6)
     want = torch.nn.functional.rms_norm(x, (96,), weight, 1e-6)
     assert got.dtype == want.dtype == dtype
