@@ -55,10 +55,11 @@ def test_compiled_packed_rope_is_megatrons_thd_rope_forward_and_backward():
                              rotary_interleaved=False)
     t = torch.randn(total, 12, dim, device="cuda", generator=g).bfloat16().requires_grad_()
     upstream = torch.randn(total, 12, dim, device="cuda", generator=g).bfloat16()
-    want = apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu)  # megatron's per-sequence thd path
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)  # context parallelism off, no megatron state
+    want = apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=one_rank)  # megatron's per-sequence path
     (want_grad,) = torch.autograd.grad(want, t, upstream)
     assert compiled.compile_wanted(t.device)
-    got = _packed_rotary(apply_rotary_pos_emb, t, freqs, config, cu_seqlens=cu)
+    got = _packed_rotary(apply_rotary_pos_emb, t, freqs, config, cu_seqlens=cu, cp_group=one_rank)
     (got_grad,) = torch.autograd.grad(got, t, upstream)
     _assert_close_to_scale(got, want, 2, "rotated")
     _assert_close_to_scale(got_grad, want_grad, 2, "grad")
