@@ -78,10 +78,6 @@ class TensorConverter:
             raise KeyError(f"{global_name!r} is not one of the {len(self.rules)} parameters this converter "
                            f"knows") from None
 
-    def subset(self, global_names) -> "TensorConverter":
-        return TensorConverter({name: self.rule(name) for name in global_names}, self.vocab_size,
-                               self.make_vocab_size_divisible_by)
-
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tp_size
         return -(-self.vocab_size // multiple) * multiple
