@@ -14,6 +14,8 @@ keys, optimizer and checkpoint layout are unchanged).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megarl.models import compiled
@@ -28,15 +30,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class FusedRMSNorm(torch.nn.Module):
-    def __init__(self, weight: torch.nn.Parameter, eps: float):
+    def __init__(self, weight: torch.nn.Parameter, eps: Optional[float]):
         super().__init__()
         self.weight = weight
-        self.eps = eps
+        self.eps = eps  # None: PyTorch's default, resolved per input in forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not compiled.compile_wanted(x.device):
             return torch.nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return compiled.call(rms_norm, x.device, x, self.weight, self.eps)
+        # PyTorch's default: the epsilon of the dtype the statistics are computed in (fp32 for bf16/fp16 input)
+        eps = self.eps if self.eps is not None else torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        return compiled.call(rms_norm, x.device, x, self.weight, eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -48,7 +52,6 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.RMSNorm and child.weight is not None and len(child.normalized_shape) == 1:
-                eps = child.eps if child.eps is not None else torch.finfo(child.weight.dtype).eps
-                setattr(parent, name, FusedRMSNorm(child.weight, eps))
+                setattr(parent, name, FusedRMSNorm(child.weight, child.eps))
                 replaced += 1
     return replaced

@@ -59,9 +59,19 @@ def test_a_model_keeps_its_parameters_and_outputs_when_its_norms_are_fused():
     assert fuse_rms_norms(model) == 2
     assert isinstance(model[1], FusedRMSNorm) and model[1].weight is weight and model[1].eps == 1e-6
     assert model[2][1].__class__ is torch.nn.LayerNorm  # only RMSNorms are swapped
-    assert model[2][0].eps == torch.finfo(torch.float32).eps  # PyTorch's default when eps is None
+    assert model[2][0].eps is None  # resolved per input dtype at each call, as PyTorch's RMSNorm does
     assert list(model.state_dict()) == keys
     assert torch.equal(model(x), before)  # off CUDA the fused module calls PyTorch's own rms_norm
+
+
+def test_without_eps_the_compiled_path_takes_pytorchs_default_epsilon(monkeypatch):
+    monkeypatch.setattr(compiled, "compile_wanted", lambda device: True)  # the CUDA path, compiled for the CPU
+    monkeypatch.setattr(compiled, "_twins", {})
+    monkeypatch.setattr(compiled, "_failed", set())
+    reference = torch.nn.RMSNorm(16)  # eps=None, fp32 weight beside bf16 input: megatron's mix
+    fused = FusedRMSNorm(reference.weight, None)
+    x = (1e-2 * torch.randn(5, 16)).bfloat16()  # small values: eps is not negligible against mean(x^2)
+    torch.testing.assert_close(fused(x), reference(x), rtol=0, atol=2 * torch.finfo(torch.bfloat16).eps)
 
 
 def test_a_failing_compile_warns_and_runs_the_eager_formula(monkeypatch):
