@@ -106,11 +106,9 @@ def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int
     import megarl.models.bridge  # noqa: F401  (imported before the clock starts)
     from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
-    from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
-
-    from megarl.models.convert.memory import largest_child_peak_rss_bytes
-
     import logging
+
+    from megarl.models.convert.memory import current_rss_bytes, largest_child_peak_rss_bytes, peak_rss_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the run's timing summary
     meta = torch.empty(4, 4, device="meta")  # torch's one-off meta-kernel registration is baseline
