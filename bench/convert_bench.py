@@ -132,7 +132,7 @@ def run_child(*args) -> dict:
     if proc.returncode:
         raise RuntimeError(proc.stderr[-3000:])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["timing"] = [line for line in proc.stderr.splitlines() if "task(s) on" in line]
+    result["timing"] = [line for line in proc.stderr.splitlines() if "task(s) on" in line or " took " in line]
     return result
 
 

@@ -10,7 +10,14 @@ exactly (``torch.equal``) with the gathered megatron tensor, so the timing is of
 Baselines, same process and same bytes: ``copy_`` of every tensor with the same sizes (a pre-gathered
 clone -> a separate buffer, one call per tensor) and one flat ``copy_`` of all bytes. GB/s count the
 payload once (bytes written into the rollout engine), as ``SyncStats`` does; read + write traffic is
-twice that. Left out: TP/PP > 1 gathers (need several GPUs) and the vLLM engine (not on the GPU box).
+twice that.
+
+``--rollout vllm`` (vLLM staged as ``../shared/device/README.md`` says; CUDA) syncs into the engine megarl's
+workers build (engine core in this process, bf16, sleep mode) instead, in each weight-reload mode
+(``auto``, which loads these dense models directly, and vLLM's ``layerwise`` reload), against vLLM's own
+``load_weights`` of the same pre-gathered tensors inside one session of the kind ``auto`` takes (the floor any sync into this
+engine can reach). Exactness of both modes is what ``tests/gpu/test_vllm_cuda.py`` checks. Left out: TP/PP > 1
+gathers (need several GPUs).
 """
 
 from __future__ import annotations
@@ -123,6 +130,69 @@ def bench_model(name: str, args, device: torch.device) -> dict:
     return out
 
 
+def build_vllm_engine(hf_cfg: dict, dtype: torch.dtype, device: torch.device, directory: str):
+    import transformers
+
+    from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
+    from megarl.models.hf_config import load_hf_config
+
+    torch.manual_seed(12345)
+    transformers.AutoModelForCausalLM.from_config(load_hf_config(hf_cfg), dtype=dtype).save_pretrained(directory)
+    # the trainer's engine: in process, sleep mode on CUDA; eager and a small KV cache: only loading is timed
+    on_cuda = device.type == "cuda"
+    return VLLMRolloutEngine(directory, dtype=str(dtype).removeprefix("torch."), in_process=True,
+                             local_device_index=0 if on_cuda else None, enable_sleep_mode=on_cuda,
+                             enforce_eager=True, max_model_len=1024, kv_cache_memory_bytes=(2 << 30) if on_cuda
+                             else (64 << 20))
+
+
+def bench_model_vllm(name: str, args, device: torch.device) -> dict:
+    from megarl.weight_sync import ColocatedTransport, iter_hf_tensors, sync_weights
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # vLLM on CPU: fp32 (the CPU dry run)
+    hf_cfg = qwen2_config(name, torch_dtype=str(dtype).removeprefix("torch."))
+    bridge, chunks = build_megatron_chunks(hf_cfg, dtype)
+    with tempfile.TemporaryDirectory() as directory:
+        engine = build_vllm_engine(hf_cfg, dtype, device, directory)
+        transport = ColocatedTransport(engine)
+        bucket_bytes = args.bucket_mb[0] * 2**20
+        out: dict = {"bucket_mb": args.bucket_mb[0], "sync": {}}
+        for mode in ("auto", "layerwise"):
+            engine.weight_reload = mode
+            stats = []
+
+            def sync():
+                stats.append(sync_weights(chunks, bridge, transport, bucket_bytes=bucket_bytes, dtype=dtype))
+
+            seconds = time_region(sync, device=device, warmup=1, iters=args.iters)
+            out["payload_bytes"] = stats[-1].total_bytes
+            out["sync"][mode] = {"loaded": engine.weight_reload_taken, **summarize(seconds),
+                                 "gb_per_s": stats[-1].total_bytes / statistics.median(seconds) / 1e9,
+                                 "buckets": stats[-1].num_buckets}
+        with torch.no_grad():
+            gathered = [(n, t.clone()) for n, t in iter_hf_tensors(chunks, bridge, dtype=dtype)]
+        worker_rpc = engine.llm.collective_rpc
+
+        def load_weights_alone():
+            worker_rpc("megarl_start_weight_update", args=("auto",))
+            worker_rpc("megarl_load_weights", args=(gathered,))
+            worker_rpc("megarl_finish_weight_update")
+
+        seconds = time_region(load_weights_alone, device=device, warmup=1, iters=args.iters)
+        out["vllm_load_weights_alone"] = {**summarize(seconds), "gb_per_s": out["payload_bytes"]
+                                          / statistics.median(seconds) / 1e9}
+        auto_s = out["sync"]["auto"]["median_s"]
+        out["ratio_auto_sync_over_load_weights_alone"] = auto_s / out["vllm_load_weights_alone"]["median_s"]
+        out["ratio_layerwise_over_auto"] = out["sync"]["layerwise"]["median_s"] / auto_s
+        del gathered
+        engine.shutdown()
+    del chunks, engine, transport
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="0.5b,1.5b")
@@ -130,6 +200,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--rollout", default="hf", choices=["hf", "vllm"], help="vllm: CUDA, vLLM installed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.bucket_mb = [int(b) for b in args.bucket_mb.split(",")]
@@ -138,6 +209,13 @@ def main(argv=None) -> dict:
     results = {"benchmark": "weight_sync", "environment": environment(device),
                "args": {**vars(args)}, "models": {}}
     for name in [m for m in args.models.split(",") if m]:
+        if args.rollout == "vllm":
+            results["models"][name] = entry = bench_model_vllm(name, args, device)
+            print(f"[weight_sync vllm] {name}: {entry['payload_bytes'] / 1e9:.2f} GB, "
+                  + ", ".join(f"{mode} ({v['loaded']}) {v['median_s'] * 1e3:.1f} ms" for mode, v in entry["sync"].items())
+                  + f", vLLM load_weights alone {entry['vllm_load_weights_alone']['median_s'] * 1e3:.1f} ms",
+                  flush=True)
+            continue
         results["models"][name] = entry = bench_model(name, args, device)
         best = max(entry["sync"].items(), key=lambda kv: kv[1]["gb_per_s"])
         print(f"[weight_sync] {name}: {entry['payload_bytes'] / 1e9:.2f} GB, best sync {best[1]['gb_per_s']:.1f} GB/s "

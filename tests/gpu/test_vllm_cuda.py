@@ -8,7 +8,8 @@ equal log-probs (bitwise):
 * generation: every prompt gets ``max_tokens`` tokens (``ignore_eos``) with finite log-probs;
 * weight update: pushing perturbed weights (CUDA tensors, several buckets; the model is ~31 MB) changes the output; pushing the
   original weights back restores the original output exactly; pushing the perturbed ones again (other
-  bucket bound) reproduces the first update exactly;
+  bucket bound) reproduces the first update exactly; the same for both ways of loading (the direct load that
+  ``auto`` takes for this dense bf16 model, and vLLM's layerwise reload), and the two agree bitwise;
 * sleep level 1 (weights kept on the host) then wake: output unchanged; level 2 (weights discarded), wake
   the weights only, push, wake the KV cache: output equals the pushed weights' output; each sleep frees at
   least 90% of the KV cache's bytes on the device;
@@ -102,16 +103,32 @@ def test_generation(engine):
         assert len(tokens) == 48 and all(lp <= 0 and lp == lp for lp in log_probs)
 
 
-def test_device_tensor_updates_are_exact(engine, weights):
+@pytest.fixture
+def reload_mode(engine, request):
+    engine.weight_reload = request.param
+    yield request.param
+    engine.weight_reload = "auto"
+
+
+OUTPUTS_BY_MODE: dict = {}
+
+
+@pytest.mark.parametrize("reload_mode", ["auto", "layerwise"], indirect=True)
+def test_device_tensor_updates_are_exact(engine, weights, reload_mode):
     original, perturbed = weights
     before = greedy(engine)
     push(engine, perturbed, bucket_bytes=8 << 20)
+    assert engine.weight_reload_taken == ("direct" if reload_mode == "auto" else "layerwise")
     after = greedy(engine)
     assert after != before, "the pushed weights did not change the output"
     push(engine, original, bucket_bytes=8 << 20)
     assert greedy(engine) == before
     push(engine, perturbed, bucket_bytes=20 << 20)
     assert greedy(engine) == after
+    OUTPUTS_BY_MODE[reload_mode] = after
+    push(engine, original, bucket_bytes=8 << 20)  # the next test starts from the original weights
+    if len(OUTPUTS_BY_MODE) == 2:
+        assert OUTPUTS_BY_MODE["auto"] == OUTPUTS_BY_MODE["layerwise"]
 
 
 def test_sleep_releases_memory_and_keeps_or_takes_weights(engine, weights):

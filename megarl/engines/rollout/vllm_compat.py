@@ -11,7 +11,8 @@ the range ``setup.py``'s ``vllm`` extra names. What differs between them, or is 
   Ray worker sees only its own GPU (index 0 in ``CUDA_VISIBLE_DEVICES``), so LOCAL_RANK is pointed at the
   device this process uses while the engine is built.
 * sleep levels and wake-up tags (``LLM.sleep(level=2)``, ``LLM.wake_up(tags=[...])``): present in both.
-* layerwise reload (``vllm.model_executor.model_loader.reload``): both versions.
+* layerwise reload (``vllm.model_executor.model_loader.reload``): both versions; and which models can skip it
+  (:func:`loads_in_place`: the unquantized-method class names, MLA's attention class).
 
 Leaves out: vLLM's own weight-transfer engines (``weight_transfer_config``), which 0.26 has and which an
 in-process engine does not need.
@@ -79,6 +80,35 @@ def wake_up(llm, tags: Optional[list[str]] = None) -> None:
     """``tags=["weights"]`` re-allocates the weights only (to load new ones into before the KV cache comes
     back); ``None`` everything."""
     llm.wake_up(tags=tags)
+
+
+WEIGHT_RELOAD_MODES = ("auto", "layerwise")  # auto: a direct load where that is exact, else layerwise
+
+
+def loads_in_place(model) -> bool:
+    """Whether ``model.load_weights`` alone leaves ``model`` exactly as a fresh load would: its loaders copy
+    into the existing parameters (fusing q/k/v and gate/up as they go), and no module re-processes its
+    weights after loading. True on CUDA for unquantized dense models: the unquantized linear and embedding
+    methods process nothing there. False on CPU (the GEMMs are repacked for oneDNN), for any quantization
+    (scales, re-quantization), for fused-MoE layers (backends may re-layout expert weights) and for MLA
+    (which derives its absorbed projections from ``kv_b_proj``); those take the layerwise reload."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or not current_platform.is_cuda_alike():
+        return False
+    try:
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    except ImportError:  # renamed in a later vLLM: take the path that is right for every model
+        return False
+    no_processing = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method) not in no_processing:
+            return False
+        if "MLA" in type(module).__name__:
+            return False
+    return True
 
 
 def layerwise_reload():

@@ -3,8 +3,8 @@ sampled ids + log-probs out.
 
 Wraps `vllm.LLM`. Weight updates go through `LLM.collective_rpc` to `MegarlWeightUpdateExtension`, which
 vLLM mixes into every worker: each bucket is handed to the model's own `load_weights` on every TP/PP
-rank inside vLLM's layerwise reload session, then the prefix cache is reset (cached KV blocks were
-computed by the old weights). A session must carry the whole model (see `update_weights`). Bucket
+rank, directly where that is exact (unquantized dense models on CUDA) and inside vLLM's layerwise reload
+session otherwise, then the prefix cache is reset (cached KV blocks were computed by the old weights). A session must carry the whole model (see `update_weights`). Bucket
 names/shapes are validated here against the checkpoint's safetensors headers first, so a bad name fails
 with a clear message before anything is sent.
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,6 +44,7 @@ from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingC
                                          validate_prompts)
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
 
+logger = logging.getLogger(__name__)
 _EXTENSION = "megarl.engines.rollout.vllm_worker_extension.MegarlWeightUpdateExtension"
 
 
@@ -115,6 +117,7 @@ class VLLMRolloutEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         in_process: bool = False,
         local_device_index: Optional[int] = None,
+        weight_reload: str = "auto",
         **llm_kwargs,
     ) -> None:
         """Start vLLM on the HF dir `model_path`.
@@ -123,12 +126,19 @@ class VLLMRolloutEngine(RolloutEngine):
         `gpu_memory_utilization` of host RAM. `in_process` keeps vLLM's engine core in this process (with
         torch.distributed initialised: vLLM's external launcher, which joins that world and groups
         `tensor_parallel_size` consecutive ranks); `local_device_index` is this process's CUDA device
-        then. `llm_kwargs` go to `vllm.LLM` unchanged.
+        then. `weight_reload` is how a weight update is applied (auto: a direct load where that is exact, else
+        vLLM's layerwise reload; layerwise: always; :mod:`megarl.engines.rollout.vllm_worker_extension`). `llm_kwargs` go
+        to `vllm.LLM` unchanged.
         """
         import torch.distributed as dist
         from vllm import LLM
 
         vllm_compat.check_supported_version()
+        if weight_reload not in vllm_compat.WEIGHT_RELOAD_MODES:
+            raise ValueError(f"VLLMRolloutEngine: weight_reload={weight_reload!r} is not one of "
+                             f"{vllm_compat.WEIGHT_RELOAD_MODES}")
+        self.weight_reload = weight_reload
+        self.weight_reload_taken: Optional[str] = None  # direct | layerwise: how the last session loaded
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"VLLMRolloutEngine: model_path {model_path!r} is not a directory")
         self._checkpoint_shapes = read_checkpoint_shapes(model_path)
@@ -265,7 +275,13 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise ValueError(f"VLLMRolloutEngine.update_weights: {name!r} sent twice in one weight update")
             bucket.append((name, tensor))
         if not self._update_open:
-            self.llm.collective_rpc("megarl_start_weight_update")
+            modes = set(self.llm.collective_rpc("megarl_start_weight_update", args=(self.weight_reload,)))
+            if len(modes) != 1:  # the ranks of one engine hold the same model: they must agree
+                raise RuntimeError(f"VLLMRolloutEngine: the engine's ranks chose different reload modes {modes}")
+            taken = modes.pop()
+            if taken != self.weight_reload_taken:
+                logger.info("vLLM weight updates: %s load (asked for %s)", taken, self.weight_reload)
+            self.weight_reload_taken = taken
             self._update_open = True
         if bucket:
             if self.in_process:  # the model lives here: hand it the tensors themselves

@@ -5,11 +5,16 @@ with `LLM.collective_rpc("megarl_<method>", args=...)`, which runs the method on
 rank receives the full HF tensors and the model's own `load_weights` narrows them to the rank's shard
 (and fuses q/k/v and gate/up), so the same path serves TP=1 on CPU and TP>1 on GPU.
 
-A session is vLLM's layerwise in-place reload: `initialize_layerwise_reload` before the first bucket,
-`model.load_weights(bucket)` per bucket, `finalize_layerwise_reload` after the last one; a layer is
-re-processed (re-fused, re-packed for the CPU GEMM, re-quantized) once all its tensors have arrived.
-A module that gets only part of its tensors is rebuilt from uninitialized memory, so the driver side
-(`VLLMRolloutEngine`) only finishes sessions that delivered every checkpoint tensor.
+A session is `model.load_weights(bucket)` per bucket, applied in one of two ways chosen when it starts:
+* a direct load: nothing else. The loaders copy into the existing parameters; exact where no module
+  re-processes its weights after loading (:func:`~megarl.engines.rollout.vllm_compat.loads_in_place`:
+  unquantized dense models on CUDA), which mode ``auto`` (the default) checks once per engine.
+* ``layerwise``: vLLM's in-place layerwise reload: `initialize_layerwise_reload` before the first bucket,
+  `finalize_layerwise_reload` after the last one; a layer is re-processed (re-fused, re-packed for the CPU
+  GEMM, re-quantized) once all its tensors have arrived. It moves every layer to the meta device and back,
+  a fixed cost of tens of milliseconds per sync even for a small model. A module that gets only part of its
+  tensors is rebuilt from uninitialized memory, so the driver side (`VLLMRolloutEngine`) only finishes
+  sessions that delivered every checkpoint tensor.
 
 Two ways in: `megarl_load_weights` takes the (name, tensor) pairs themselves, which only an engine core in
 the caller's process can receive (collective_rpc then calls the worker directly: device tensors stay
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engines.rollout.vllm_compat import layerwise_reload
+from megarl.engines.rollout.vllm_compat import WEIGHT_RELOAD_MODES, layerwise_reload, loads_in_place
 
 
 def encode_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -47,12 +52,23 @@ def decode_bucket(blob: bytes) -> list[tuple[str, torch.Tensor]]:
 class MegarlWeightUpdateExtension:
     """Methods vLLM mixes into its Worker; `self` is the worker (has `model_runner`, `vllm_config`)."""
 
-    def megarl_start_weight_update(self) -> None:
+    def megarl_start_weight_update(self, mode: str = "auto") -> str:
+        """Open a session (``mode``: auto | layerwise); returns how it loads: direct | layerwise."""
         from vllm.config import set_current_vllm_config
 
-        initialize, _ = layerwise_reload()
-        with set_current_vllm_config(self.vllm_config):
-            initialize(self.model_runner.get_model())
+        if mode not in WEIGHT_RELOAD_MODES:
+            raise ValueError(f"weight reload mode {mode!r} is not one of {WEIGHT_RELOAD_MODES}")
+        model = self.model_runner.get_model()
+        if mode == "auto":
+            if getattr(self, "_megarl_loads_in_place", None) is None:  # the model's modules do not change
+                self._megarl_loads_in_place = loads_in_place(model)
+            mode = "direct" if self._megarl_loads_in_place else "layerwise"
+        self._megarl_reload_mode = mode
+        if mode == "layerwise":
+            initialize, _ = layerwise_reload()
+            with set_current_vllm_config(self.vllm_config):
+                initialize(model)
+        return mode
 
     def megarl_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket handed over in process (the tensors may live on the device)."""
@@ -69,6 +85,8 @@ class MegarlWeightUpdateExtension:
     def megarl_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
 
+        if getattr(self, "_megarl_reload_mode", "layerwise") == "direct":
+            return
         _, finalize = layerwise_reload()
         with set_current_vllm_config(self.vllm_config):
             finalize(self.model_runner.get_model(), self.vllm_config.model_config)

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -395,6 +396,7 @@ def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.d
     if os.path.isfile(os.path.join(out_dir, TRACKER_FILE)):
         raise FileExistsError(f"{os.path.join(out_dir, TRACKER_FILE)} exists: {out_dir} already holds a finished "
                               f"checkpoint")
+    started = time.perf_counter()
     if workers > 1:
         start_worker_server([__name__, *WORKER_MODULES])
     hf_config = read_hf_config_dict(hf_dir)
@@ -404,13 +406,20 @@ def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.d
     # the workers start while megatron describes the checkpoint (a meta model: seconds)
     with (WorkerPool(workers, _Context, context_args, _run_torch_dist_task, preload=WORKER_MODULES)
           if workers > 1 else contextlib.nullcontext()) as pool:
-        return _convert_to_torch_dist_with(hf_dir, out_dir, bridge, hf_config, options, context_args, workers,
-                                           memory_budget_bytes, pool)
+        metadata, phases = _convert_to_torch_dist_with(hf_dir, out_dir, bridge, hf_config, options, context_args,
+                                                       workers, memory_budget_bytes, pool, started)
+        closing = time.perf_counter()
+    phases["workers stopped"] = time.perf_counter() - closing
+    logger.info("hf->torch_dist took %.1f s: %s", time.perf_counter() - started,
+                ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+    return metadata
 
 
 def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: dict, options: ConversionOptions,
                                 context_args: tuple, workers: int, memory_budget_bytes: Optional[int],
-                                pool: Optional[WorkerPool]) -> dict:
+                                pool: Optional[WorkerPool], started: float) -> tuple[dict, dict[str, float]]:
+    """The conversion, and how long its phases took (planning, tasks, merging; a user's first question
+    about a slow run is which of them it was)."""
     from megarl.models.convert.torch_dist import (
         ITERATION_DIR, PARTS_DIR, checkpoint_layout, mark_latest, merge_parts,
     )
@@ -426,9 +435,12 @@ def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: di
         for name in os.listdir(parts_root):
             if ".tmp-" in name:
                 shutil.rmtree(os.path.join(parts_root, name), ignore_errors=True)
+    phases = {"planning (config, megatron's layout, source index)": time.perf_counter() - started}
     stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_Context,
                       context_args=context_args, run_task=_run_torch_dist_task, description="hf->torch_dist",
                       pool=pool)
+    phases["tasks"] = stats.seconds
+    merging = time.perf_counter()
     shapes = merge_parts(os.path.join(out_dir, ITERATION_DIR), [task.task_id for task in tasks])
     assets = _copy_hf_assets(hf_dir, out_dir)
     metadata = {"format": "torch_dist", "arch": bridge.hf_architecture, "hf_config": hf_config,
@@ -440,6 +452,7 @@ def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: di
         json.dump(metadata, handle, indent=1, sort_keys=True)
     mark_latest(out_dir)  # last: the checkpoint is complete
     os.remove(os.path.join(out_dir, ".convert_progress.jsonl"))
+    phases["merging and marking"] = time.perf_counter() - merging
     logger.info("wrote %s: %d parts, %d keys, %.2f GB (%d parts resumed as done)", out_dir, len(tasks), len(shapes),
                 stats.bytes_written / 1e9, stats.tasks_skipped)
-    return metadata
+    return metadata, phases

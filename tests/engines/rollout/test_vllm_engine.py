@@ -135,6 +135,7 @@ def test_update_weights_in_buckets_matches_fresh_hf_model(vllm_engine, tiny_qwen
     with pytest.raises(ValueError, match="sent twice"):
         vllm_engine.update_weights(buckets[-1][:1])
     vllm_engine.finish_weight_update()
+    assert vllm_engine.weight_reload_taken == "layerwise"  # CPU GEMMs are re-packed after loading: not direct
 
     fresh = HFRolloutEngine(str(copy_model_with_state(tiny_qwen2_dir, tmp_path / "new", new_state)))
     after = vllm_engine.generate(prompts, greedy)
@@ -145,6 +146,11 @@ def test_update_weights_in_buckets_matches_fresh_hf_model(vllm_engine, tiny_qwen
     for out in vllm_engine.generate(prompts, sampling):
         expected = score_response(fresh.model, prompts[out.prompt_index], out.token_ids, temperature=0.8)
         torch.testing.assert_close(torch.tensor(out.log_probs), torch.tensor(expected), atol=1e-3, rtol=0)
+
+
+def test_unknown_weight_reload_mode_is_refused_before_the_engine_starts(tiny_qwen2_dir):
+    with pytest.raises(ValueError, match="weight_reload='fast' is not one of"):
+        build_rollout_engine("vllm", str(tiny_qwen2_dir), weight_reload="fast")
 
 
 def test_update_weights_rejects_bad_names_and_shapes(vllm_engine):
