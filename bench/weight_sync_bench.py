@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import tempfile
 
@@ -186,6 +187,12 @@ def bench_model_vllm(name: str, args, device: torch.device) -> dict:
         out["ratio_layerwise_over_auto"] = out["sync"]["layerwise"]["median_s"] / auto_s
         del gathered
         engine.shutdown()
+    if not torch.distributed.is_initialized():  # vLLM's shutdown took the one-rank world down with it
+        from megarl.engines.megatron.parallel import destroy_megatron_parallel
+
+        destroy_megatron_parallel()
+        os.environ.pop("MASTER_PORT")  # the old world's store may still hold it
+        bring_up_single_rank()
     del chunks, engine, transport
     gc.collect()
     if device.type == "cuda":

@@ -1,6 +1,10 @@
 """Turn what a caller hands us (a transformers config, a dict, or a model directory) into one
 ``transformers.PretrainedConfig``, and read its RoPE settings across transformers versions.
 
+:class:`ConfigFields` is the other way in: config.json's own fields, without transformers (whose config
+classes cost seconds to import: 4-10 s on the GPU machine, docs/benchmarks.md). The converters use it to plan
+a checkpoint's keys and shapes, which the weights then confirm.
+
 transformers 5 keeps RoPE in ``config.rope_parameters`` (``rope_theta`` + ``rope_type`` + type
 fields); transformers 4 keeps ``rope_theta`` and ``rope_scaling``. :func:`read_rope` returns one dict
 for both. Left out: downloading configs from the hub (local paths only).
@@ -10,15 +14,51 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Mapping, Union
 
 if TYPE_CHECKING:
     import transformers
 
-HFConfigLike = Union["transformers.PretrainedConfig", dict, str, os.PathLike]
+# Fields transformers renamed in a config.json (its config classes' ``attribute_map``): either name may appear.
+FIELD_ALIASES = {"num_experts": "num_local_experts"}  # Qwen3-MoE: transformers 5 writes num_local_experts
+_ABSENT = object()
 
 
-def load_hf_config(source: HFConfigLike) -> "transformers.PretrainedConfig":
+def config_field(data: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """``data[name]`` (or its renamed twin) when set, else ``default``."""
+    for key in (name, FIELD_ALIASES.get(name)):
+        if key is not None and data.get(key) is not None:
+            return data[key]
+    return default
+
+
+class ConfigFields:
+    """A config.json's fields as attributes (``getattr(fields, key, default)``), with no defaults of its own.
+
+    transformers fills a field a config leaves out with its class default; here it stays absent, so a reader's
+    own default applies. That can change a shape (DeepSeek-V3's ``q_lora_rank``) or a value (Qwen3-MoE's
+    ``norm_topk_prob``): fine for planning a checkpoint's keys and shapes, which the converters check against
+    every tensor they read ("config and weights do not match"), never for a model that computes."""
+
+    def __init__(self, data: dict):
+        self._data = dict(data)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = config_field(self._data, name, _ABSENT)
+        if value is _ABSENT:
+            raise AttributeError(f"config.json has no {name!r}")
+        return value
+
+
+HFConfigLike = Union["transformers.PretrainedConfig", ConfigFields, dict, str, os.PathLike]
+
+
+def load_hf_config(source: HFConfigLike) -> "transformers.PretrainedConfig | ConfigFields":
+    """``source`` as a transformers config; a :class:`ConfigFields` is returned as it is."""
+    if isinstance(source, ConfigFields):
+        return source
     # imported here, not above: transformers costs seconds to import, and a process that only moves tensors
     # (a conversion worker) reaches this module without needing it
     import transformers

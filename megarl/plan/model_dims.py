@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from megarl.models.hf_config import config_field
+
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 QWEN_MOE_MODEL_TYPES = ("qwen3_moe",)
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
@@ -58,9 +60,10 @@ class ModelDims:
 
 
 def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in cfg or cfg[key] is None:
+    value = config_field(cfg, key)
+    if value is None:
         raise ValueError(f"{where}: HF config has no '{key}' (model_type={cfg.get('model_type')!r})")
-    return cfg[key]
+    return value
 
 
 def _positive_int(cfg: Mapping[str, Any], key: str, where: str) -> int:

@@ -84,8 +84,10 @@ def read_hf_config_dict(hf_dir: str) -> dict:
 
 def _bridge(hf_config: dict, spec: str):
     from megarl.models.bridge import ModelBridge
+    from megarl.models.hf_config import ConfigFields
 
-    return ModelBridge.from_hf_config(dict(hf_config), spec=spec)
+    # keys and shapes only (every tensor's shape is checked against the weights): no transformers to import
+    return ModelBridge.from_hf_config(ConfigFields(hf_config), spec=spec)
 
 
 def _output_dtype(location: TensorLocation, options: ConversionOptions) -> torch.dtype:

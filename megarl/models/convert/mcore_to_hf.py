@@ -252,11 +252,13 @@ def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: i
                               hf_config_dir: Optional[str]) -> dict:
     from megarl.models.bridge import ModelBridge
     from megarl.models.convert.torch_dist import WORKER_MODULES
+    from megarl.models.hf_config import ConfigFields
 
     if workers > 1:
         start_worker_server([__name__, *WORKER_MODULES])
     hf_config, record, assets_dir = _dist_hf_config(ckpt_dir, hf_config_dir)
-    bridge = ModelBridge.from_hf_config(dict(hf_config), spec="local")
+    # keys and shapes only (each checked against the checkpoint's): no transformers to import
+    bridge = ModelBridge.from_hf_config(ConfigFields(hf_config), spec="local")
     context_args = (bridge.tensors, ckpt_dir, out_dir)
     # the workers start while megatron describes the checkpoint (a meta model: seconds)
     with (WorkerPool(workers, _make_dist_context, context_args, _run_dist_task, preload=WORKER_MODULES)
@@ -283,6 +285,10 @@ def _plan_torch_dist_to_hf(ckpt_dir: str, bridge, max_shard_bytes: int) -> list[
         if missing:
             raise ValueError(f"{reader.path} has no {missing[0]!r} ({name}): it is not a checkpoint of the model "
                              f"config.json describes")
+        for item in items:
+            if tuple(reader.shape(item.key)) != tuple(item.global_shape):
+                raise ValueError(f"{reader.path}: {item.key!r} is {tuple(reader.shape(item.key))}, but config.json "
+                                 f"describes {tuple(item.global_shape)}: config and checkpoint do not match")
         dtype = reader.dtype(items[0].key)
         merged = torch.empty(layout.param_shapes[name], dtype=dtype, device="meta")
         planned = [PlannedTensor(n, t.dtype, tuple(t.shape)) for n, t in bridge.mcore_to_hf(name, merged)]
