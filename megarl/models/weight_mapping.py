@@ -60,6 +60,16 @@ class ParamRule:
 
 
 @dataclass(frozen=True)
+class RowRun:
+    """``rows`` consecutive rows (first-dim slices) of an HF tensor that are consecutive in the megatron one."""
+
+    hf_name: str
+    src_row: int
+    dst_row: int
+    rows: int
+
+
+@dataclass(frozen=True)
 class TensorConverter:
     """Every tensor move of a set of parameters: made from HF tensors, split over TP ranks, and back.
 
@@ -100,6 +110,29 @@ class TensorConverter:
                                  f"{rule.vocab_size}")
             return pad_vocab(parts[0], self.padded_vocab_size(1))
         return parts[0]
+
+    def row_runs(self, global_name: str, hf_rows: Mapping[str, int]) -> tuple[list[RowRun], int]:
+        """:meth:`hf_to_mcore` as row copies: runs that fill the megatron tensor (TP=1) from its HF tensors,
+        whose first dimensions are ``hf_rows``, and the megatron tensor's row count; rows no run covers (the
+        vocabulary's padding) are zeros. Every fusion is a reordering of whole rows, so a reader can put each
+        HF row where it belongs as it reads, without building the HF tensors first."""
+        rule = self.rule(global_name)
+        names = rule.hf_names
+        if rule.fusion == "qkv":
+            groups, head_dim, per_group = rule.qkv.num_query_groups, rule.qkv.head_dim, rule.qkv.heads_per_group
+            q_rows, group_rows = per_group * head_dim, (per_group + 2) * head_dim
+            runs = []
+            for g in range(groups):
+                runs += [RowRun(names[0], g * q_rows, g * group_rows, q_rows),
+                         RowRun(names[1], g * head_dim, g * group_rows + q_rows, head_dim),
+                         RowRun(names[2], g * head_dim, g * group_rows + q_rows + head_dim, head_dim)]
+            return runs, groups * group_rows
+        if rule.fusion == "gate_up":
+            rows = hf_rows[names[0]]
+            return [RowRun(names[0], 0, 0, rows), RowRun(names[1], 0, rows, hf_rows[names[1]])], 2 * rows
+        if rule.fusion == "vocab":
+            return [RowRun(names[0], 0, 0, hf_rows[names[0]])], self.padded_vocab_size(1)
+        return [RowRun(names[0], 0, 0, hf_rows[names[0]])], hf_rows[names[0]]
 
     def mcore_to_hf(self, global_name: str, full_tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         rule = self.rule(global_name)

@@ -1,5 +1,8 @@
 """converters/hf_to_mcore.py's default output is megatron-core's torch_dist format:
 
+- every chunk megatron asks for, read straight from the HF files into its fused place (no HF tensors, no fused
+  parameter), is bitwise the chunk cut out of the fused parameter built the ordinary way, vocabulary padding
+  included; a dtype change falls back to the ordinary way;
 - one conversion loads, through plain ``megatron.core.dist_checkpointing.load`` of each model's own sharded
   state dict, into GPTModels built at TP=2, PP=2, EP=2 and TP=2 x PP=2 (gloo), and gives HF's logits;
 - HF -> torch_dist -> HF is bit exact for every architecture, written in many parts (by two workers for one);
@@ -49,6 +52,39 @@ def converted(tmp_path_factory):
         tokens = sample_tokens(250)
         out[arch] = dict(hf=hf_dir, ckpt=str(root / arch / "td"), tokens=tokens, logits=hf_logits(hf_dir, tokens))
     return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunks_read_in_place_equal_the_chunks_of_the_fused_parameter(arch, tmp_path):
+    from megarl.models.convert import hf_to_mcore as h
+    from megarl.models.convert.torch_dist import checkpoint_layout
+    from megarl.models.tiny import save_tiny_hf_checkpoint
+
+    # a vocabulary megatron pads (1000 -> 1024 rows) and a few tensors per file
+    hf_dir = save_tiny_hf_checkpoint(arch, tmp_path / "hf", seed=3, vocab_size=1000)
+    config = h.read_hf_config_dict(hf_dir)
+    bridge = h._bridge(config, "local")
+    layout, locations = checkpoint_layout(bridge), index_hf_safetensors(hf_dir)
+    for dtype, in_place in ((None, True), (torch.float64, False)):
+        options = h.ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype)
+        context = h._Context(*h._context_args(bridge, config, options, str(tmp_path)))
+        tasks = h.plan_torch_dist(bridge, layout, locations, options)
+        checked = 0
+        for task in tasks:
+            entries = {entry.global_name: entry for entry in task.payload.entries}
+            for item in task.payload.items:
+                entry = entries[item.param]
+                chunk = h._read_chunk_in_place(item, entry, context)
+                assert (chunk is not None) == in_place, item.key
+                if chunk is None:
+                    continue
+                full = context.tensors.hf_to_mcore(item.param, {s.hf_name: h._load_source(s, context)
+                                                                 for s in entry.sources}).contiguous()
+                expected = item.take(full)
+                assert chunk.dtype == expected.dtype and torch.equal(chunk, expected), item.key
+                assert chunk.untyped_storage().nbytes() == chunk.numel() * chunk.element_size()  # nothing to clone
+                checked += 1
+        assert checked == (len(layout.tensors) if in_place else 0)
 
 
 @pytest.mark.timeout(300)

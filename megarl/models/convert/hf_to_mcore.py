@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -39,7 +40,7 @@ from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_b
 from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
 from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
 from megarl.models.convert.safetensors_stream import (
-    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_tensor,
+    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_into, read_tensor,
 )
 from megarl.models.weight_mapping import TensorConverter
 
@@ -364,6 +365,40 @@ def plan_torch_dist(bridge, layout, locations: dict[str, TensorLocation], option
     return tasks
 
 
+def _read_chunk_in_place(item, entry: Entry, context: _Context) -> Optional[torch.Tensor]:
+    """Megatron's chunk ``item`` of ``entry``'s parameter read straight from the HF files into a tensor of its
+    own: each HF row lands where the fusion puts it, so q/k/v and gate/up are fused without building the HF
+    tensors, the fused parameter, or the copy of a chunk that DCP's writer would clone out of it. ``None``
+    where that does not apply (a dtype to change, FP8 to dequantize, a chunk that is not a row range)."""
+    sources = {source.hf_name: source.location for source in entry.sources}
+    if any(s.scale is not None or _output_dtype(s.location, context.options) != s.location.dtype
+           for s in entry.sources):
+        return None
+    shape, stride, storage_offset = item.view
+    row_numel = math.prod(shape[1:])
+    contiguous_stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    if not shape or tuple(stride) != contiguous_stride or storage_offset % max(row_numel, 1):
+        return None
+    first = storage_offset // max(row_numel, 1)
+    runs, _ = context.tensors.row_runs(entry.global_name, {name: loc.shape[0] for name, loc in sources.items()})
+    reads = []  # (run, first and last+1 row of the chunk it fills)
+    for run in runs:
+        lo, hi = max(run.dst_row, first), min(run.dst_row + run.rows, first + shape[0])
+        if lo < hi:
+            if tuple(sources[run.hf_name].shape[1:]) != tuple(shape[1:]):
+                return None
+            reads.append((run, lo, hi))
+    padded = sum(hi - lo for _, lo, hi in reads) < shape[0]  # the vocabulary's padding rows stay zero
+    dtype = next(iter(sources.values())).dtype
+    out = torch.zeros(shape, dtype=dtype) if padded else torch.empty(shape, dtype=dtype)
+    for run, lo, hi in reads:
+        location = sources[run.hf_name]
+        row_bytes = location.nbytes // location.shape[0]
+        read_into(location.path, out[lo - first:hi - first],
+                  location.start + (run.src_row + lo - run.dst_row) * row_bytes, what=run.hf_name)
+    return out.reshape(item.chunk_shape)
+
+
 def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
     import zlib
 
@@ -375,12 +410,14 @@ def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, 
     current: dict[str, torch.Tensor] = {}
 
     def produce(item) -> torch.Tensor:
-        if item.param not in current:  # parameters come one after another: one is held at a time
-            current.clear()
-            entry = entries[item.param]
-            hf_tensors = {s.hf_name: _load_source(s, context) for s in entry.sources}
-            current[item.param] = context.tensors.hf_to_mcore(item.param, hf_tensors).contiguous()
-        chunk = item.take(current[item.param])
+        chunk = _read_chunk_in_place(item, entries[item.param], context)
+        if chunk is None:
+            if item.param not in current:  # parameters come one after another: one is held at a time
+                current.clear()
+                entry = entries[item.param]
+                hf_tensors = {s.hf_name: _load_source(s, context) for s in entry.sources}
+                current[item.param] = context.tensors.hf_to_mcore(item.param, hf_tensors).contiguous()
+            chunk = item.take(current[item.param])
         note_tensor_written()
         return chunk
 

@@ -109,22 +109,27 @@ def read_tensor(location: TensorLocation, *, row_start: Optional[int] = None,
         row_bytes = tensor_nbytes(location.dtype, shape[1:])
         start, shape = start + row_start * row_bytes, (row_end - row_start, *shape[1:])
     nbytes = tensor_nbytes(location.dtype, shape)
-    buffer = bytearray(nbytes)
+    out = torch.empty(shape, dtype=location.dtype)
     if nbytes:
-        view = memoryview(buffer)
-        fd = os.open(location.path, os.O_RDONLY)
-        try:
-            done = 0
-            while done < nbytes:  # pread may return short counts for large requests
-                got = os.preadv(fd, [view[done:]], start + done)
-                if got <= 0:
-                    raise IOError(f"{location.path}: unexpected end of file reading {location.name!r}")
-                done += got
-        finally:
-            os.close(fd)
-    if not nbytes:
-        return torch.empty(shape, dtype=location.dtype)
-    return torch.frombuffer(buffer, dtype=location.dtype).view(shape)
+        # straight into the tensor's memory (no zero-filled staging buffer: one pass over the bytes fewer)
+        read_into(location.path, out, start, what=location.name)
+    return out
+
+
+def read_into(path: str, out: torch.Tensor, start: int, *, what: str) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the bytes of ``path`` from offset ``start``."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    nbytes = len(view)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < nbytes:  # pread may return short counts for large requests
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got <= 0:
+                raise IOError(f"{path}: unexpected end of file reading {what!r}")
+            done += got
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
