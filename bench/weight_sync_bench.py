@@ -15,8 +15,8 @@ twice that.
 ``--rollout vllm`` (vLLM staged as ``../shared/device/README.md`` says; CUDA) syncs into the engine megarl's
 workers build (engine core in this process, bf16, sleep mode) instead, in each weight-reload mode
 (``auto``, which loads these dense models directly, and vLLM's ``layerwise`` reload), against vLLM's own
-``load_weights`` of the same pre-gathered tensors inside one session of the kind ``auto`` takes (the floor any sync into this
-engine can reach). Exactness of both modes is what ``tests/gpu/test_vllm_cuda.py`` checks. Left out: TP/PP > 1
+``load_weights`` of the same pre-gathered tensors inside one session of the kind ``auto`` takes (the floor
+any sync into this engine can reach). Exactness of both modes is what ``tests/gpu/test_vllm_cuda.py`` checks. Left out: TP/PP > 1
 gathers (need several GPUs).
 """
 
@@ -219,7 +219,8 @@ def main(argv=None) -> dict:
         if args.rollout == "vllm":
             results["models"][name] = entry = bench_model_vllm(name, args, device)
             print(f"[weight_sync vllm] {name}: {entry['payload_bytes'] / 1e9:.2f} GB, "
-                  + ", ".join(f"{mode} ({v['loaded']}) {v['median_s'] * 1e3:.1f} ms" for mode, v in entry["sync"].items())
+                  + ", ".join(f"{mode} ({v['loaded']}) {v['median_s'] * 1e3:.1f} ms"
+                              for mode, v in entry["sync"].items())
                   + f", vLLM load_weights alone {entry['vllm_load_weights_alone']['median_s'] * 1e3:.1f} ms",
                   flush=True)
             continue

@@ -138,8 +138,9 @@ class ActorRolloutRef:
         """Separate placement: stream weights to these rollout workers from now on."""
         self._group.call("attach_rollout_peers", rollout_group.actors)
 
-    def save(self, path: str) -> None:
-        self._group.call("save_checkpoint", path)
+    def save(self, path: str, step: int) -> None:
+        """Megatron-LM's layout in ``path``: ``iter_<step>/`` and its tracker file."""
+        self._group.call("save_checkpoint", path, step)
 
     def save_hf(self, path: str) -> None:
         self._group.call("save_hf", path)
@@ -160,8 +161,9 @@ class Critic:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         return self._group.call("update_critic", shipped(batch, "update_critic"))
 
-    def save(self, path: str) -> None:
-        self._group.call("save_checkpoint", path)
+    def save(self, path: str, step: int) -> None:
+        """Megatron-LM's layout in ``path``: ``iter_<step>/`` and its tracker file."""
+        self._group.call("save_checkpoint", path, step)
 
     def load(self, path: str) -> int:
         return self._group.call("load_checkpoint", path)

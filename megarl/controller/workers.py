@@ -185,11 +185,11 @@ class ActorRolloutRefWorker(MegatronRole):
 
     # ---------------------------------------------------------------- checkpoints
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def save_checkpoint(self, root: str) -> str:
+    def save_checkpoint(self, root: str, step: int) -> str:
         from megarl.engines.megatron.checkpoint import save_checkpoint
 
         self.residency.for_training(weight_sync_follows=False)
-        return save_checkpoint(self.actor, root, step=0, before_commit=lambda: kill_point("save_checkpoint"))
+        return save_checkpoint(self.actor, root, step=step, before_commit=lambda: kill_point("save_checkpoint"))
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, root: str) -> int:
@@ -251,10 +251,10 @@ class CriticWorker(MegatronRole):
                                          cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def save_checkpoint(self, root: str) -> str:
+    def save_checkpoint(self, root: str, step: int) -> str:
         from megarl.engines.megatron.checkpoint import save_checkpoint
 
-        return save_checkpoint(self.critic, root, step=0)
+        return save_checkpoint(self.critic, root, step=step)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def load_checkpoint(self, root: str) -> int:

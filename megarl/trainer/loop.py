@@ -396,11 +396,11 @@ class RLTrainer:
         """Every role's state into the staging directory of this step (not yet a checkpoint)."""
         staging = self.checkpoints.begin(self.state.step)
         try:
-            self.actor.save(str(staging / "actor"))
+            self.actor.save(str(staging / "actor"), self.state.step)
             if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
                 self.actor.save_hf(str(staging / "actor_hf"))
             if self.critic is not None:
-                self.critic.save(str(staging / "critic"))
+                self.critic.save(str(staging / "critic"), self.state.step)
             if self.in_flight is not None:  # one-step-off: the next step's batch, generated already
                 torch.save({"batch": self.in_flight.wait(), "weights": self.in_flight.weights},
                            staging / IN_FLIGHT_FILE)

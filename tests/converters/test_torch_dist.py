@@ -278,3 +278,19 @@ def test_a_full_disk_is_said_in_words_and_the_conversion_resumes_once_there_is_r
         assert clean.keys() == again.keys() and all(torch.equal(clean[k], again[k]) for k in clean)
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_a_config_that_does_not_match_the_checkpoint_is_named_on_the_way_back(converted, tmp_path):
+    """mcore_to_hf with another model's config.json (wider MLP): named before anything is written."""
+    import shutil
+
+    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+
+    other = tmp_path / "other_config"
+    shutil.copytree(converted["llama"]["hf"], other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, intermediate_size=2 * config["intermediate_size"])))
+    with pytest.raises(ValueError, match=r"linear_fc1.weight' is \(.*\), but config.json describes \(.*\): config "
+                                         r"and checkpoint do not match"):
+        convert_mcore_to_hf(converted["llama"]["ckpt"], tmp_path / "back", hf_config_dir=other)
+    assert not (tmp_path / "back" / "model.safetensors.index.json").exists()

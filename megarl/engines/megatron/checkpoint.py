@@ -6,10 +6,11 @@ Layout under ``root``::
     root/latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (written last;
                                              Megatron-LM's tracker file, so Megatron-LM's --load reads root)
 
-A save writes into ``root/.tmp_iter_XXXXXXX``, and after every rank finished, global rank 0 renames it to
-``iter_XXXXXXX`` (one atomic rename) and then replaces the tracker file atomically; an interrupted save leaves
-only a ``.tmp_*`` directory, which loading never looks at. ``root`` must be a filesystem shared by all
-ranks. Strategy: megatron's ``torch_dist`` format (torch.distributed.checkpoint) for the sharded tensors,
+A save writes ``root/iter_XXXXXXX`` in place and, after every rank finished, global rank 0 writes the tracker
+file (atomically, last): it is what says this engine's part is complete. Atomicity of a checkpoint is its
+caller's: the trainer has every role write into one staging directory that becomes ``global_step_N`` by one
+rename (:mod:`megarl.trainer.checkpoint`), so there is one commit protocol, not one per engine nested in
+another. ``root`` must be a filesystem shared by all ranks. Strategy: megatron's ``torch_dist`` format (torch.distributed.checkpoint) for the sharded tensors,
 written in process (:func:`in_process_save_strategy`), which works on CPU/gloo as well as on GPU/NCCL;
 model weights saved at one layout load at another.
 RNG states are saved per (PP, TP) rank (a ``ShardedObject`` replicated over DP) and only restored when
@@ -146,29 +147,25 @@ def in_process_save_strategy():
 
 
 def save_checkpoint(engine, root: str, *, step: int, before_commit=None) -> str:
-    """Collective over all ranks: write ``root/iter_<step>`` and point the tracker file at it. Returns its path.
-    ``before_commit()`` runs on every rank once the shards are written and before the rename (a test's
+    """Collective over all ranks: write ``root/iter_<step>`` and then point the tracker file at it. Returns its
+    path. ``before_commit()`` runs on every rank once the shards are written and before the tracker (a test's
     crash point: the hardest moment to die)."""
     from megatron.core import dist_checkpointing
 
     final = os.path.join(root, iteration_dir_name(step))
-    tmp = os.path.join(root, "." + "tmp_" + iteration_dir_name(step))
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save of the same step
-        os.makedirs(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # an earlier save of the same step (a test's, or a crashed run's)
+        os.makedirs(final)
     dist.barrier()
     with cuda_tensors_on_cpu():
         state = _sharded_state_dict(engine, is_loading=False, with_optimizer=True, with_rng=True)
         state["step"] = step
-        dist_checkpointing.save(state, tmp, sharded_strategy=in_process_save_strategy())
+        dist_checkpointing.save(state, final, sharded_strategy=in_process_save_strategy())
     if before_commit is not None:
         before_commit()
     dist.barrier()
     if dist.get_rank() == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
         mark_latest(root, step)
     dist.barrier()
     return final

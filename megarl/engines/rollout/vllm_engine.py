@@ -4,8 +4,8 @@ sampled ids + log-probs out.
 Wraps `vllm.LLM`. Weight updates go through `LLM.collective_rpc` to `MegarlWeightUpdateExtension`, which
 vLLM mixes into every worker: each bucket is handed to the model's own `load_weights` on every TP/PP
 rank, directly where that is exact (unquantized dense models on CUDA) and inside vLLM's layerwise reload
-session otherwise, then the prefix cache is reset (cached KV blocks were computed by the old weights). A session must carry the whole model (see `update_weights`). Bucket
-names/shapes are validated here against the checkpoint's safetensors headers first, so a bad name fails
+session otherwise, then the prefix cache is reset (cached KV blocks were computed by the old weights). A
+session must carry the whole model (see `update_weights`). Bucket names/shapes are validated here against the checkpoint's safetensors headers first, so a bad name fails
 with a clear message before anything is sent.
 
 How a bucket travels depends on where vLLM's engine core runs (`in_process=`):
@@ -127,8 +127,8 @@ class VLLMRolloutEngine(RolloutEngine):
         torch.distributed initialised: vLLM's external launcher, which joins that world and groups
         `tensor_parallel_size` consecutive ranks); `local_device_index` is this process's CUDA device
         then. `weight_reload` is how a weight update is applied (auto: a direct load where that is exact, else
-        vLLM's layerwise reload; layerwise: always; :mod:`megarl.engines.rollout.vllm_worker_extension`). `llm_kwargs` go
-        to `vllm.LLM` unchanged.
+        vLLM's layerwise reload; layerwise: always; see :mod:`megarl.engines.rollout.vllm_worker_extension`).
+        `llm_kwargs` go to `vllm.LLM` unchanged.
         """
         import torch.distributed as dist
         from vllm import LLM
