@@ -13,11 +13,11 @@ payload once (bytes written into the rollout engine), as ``SyncStats`` does; rea
 twice that.
 
 ``--rollout vllm`` (vLLM staged as ``../shared/device/README.md`` says; CUDA) syncs into the engine megarl's
-workers build (engine core in this process, bf16, sleep mode) instead, in each weight-reload mode
-(``auto``, which loads these dense models directly, and vLLM's ``layerwise`` reload), against vLLM's own
-``load_weights`` of the same pre-gathered tensors inside one session of the kind ``auto`` takes (the floor
-any sync into this engine can reach). Exactness of both modes is what ``tests/gpu/test_vllm_cuda.py`` checks. Left out: TP/PP > 1
-gathers (need several GPUs).
+workers build (engine core in this process, bf16, sleep mode) instead, in each weight-reload mode (``auto``, which
+loads these dense models directly, and vLLM's ``layerwise`` reload), against vLLM's own ``load_weights`` of the
+same pre-gathered tensors inside one session of the kind ``auto`` takes (the floor any sync into this engine can
+reach). Exactness of both modes is what ``tests/gpu/test_vllm_cuda.py`` checks. Left out: TP/PP > 1 gathers (need
+several GPUs).
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ equal log-probs (bitwise):
 
 * generation: every prompt gets ``max_tokens`` tokens (``ignore_eos``) with finite log-probs;
 * weight update: pushing perturbed weights (CUDA tensors, several buckets; the model is ~31 MB) changes the
-  output; pushing the original weights back restores the original output exactly; pushing the perturbed ones again (other
-  bucket bound) reproduces the first update exactly; the same for both ways of loading (the direct load that
-  ``auto`` takes for this dense bf16 model, and vLLM's layerwise reload), and the two agree bitwise;
+  output; pushing the original weights back restores the original output exactly; pushing the perturbed ones
+  again (other bucket bound) reproduces the first update exactly; the same for both ways of loading (the direct
+  load that ``auto`` takes for this dense bf16 model, and vLLM's layerwise reload), and the two agree bitwise;
 * sleep level 1 (weights kept on the host) then wake: output unchanged; level 2 (weights discarded), wake
   the weights only, push, wake the KV cache: output equals the pushed weights' output; each sleep frees at
   least 90% of the KV cache's bytes on the device;

@@ -6,13 +6,13 @@ Layout under ``root``::
     root/latest_checkpointed_iteration.txt   the step of the newest complete checkpoint (written last;
                                              Megatron-LM's tracker file, so Megatron-LM's --load reads root)
 
-A save writes ``root/iter_XXXXXXX`` in place and, after every rank finished, global rank 0 writes the tracker
-file (atomically, last): it is what says this engine's part is complete. Atomicity of a checkpoint is its
-caller's: the trainer has every role write into one staging directory that becomes ``global_step_N`` by one
-rename (:mod:`megarl.trainer.checkpoint`), so there is one commit protocol, not one per engine nested in
-another. ``root`` must be a filesystem shared by all ranks. Strategy: megatron's ``torch_dist`` format (torch.distributed.checkpoint) for the sharded tensors,
-written in process (:func:`in_process_save_strategy`), which works on CPU/gloo as well as on GPU/NCCL;
-model weights saved at one layout load at another.
+A save writes ``root/iter_XXXXXXX`` in place and, after every rank finished, global rank 0 writes the tracker file
+(atomically, last): it is what says this engine's part is complete. Atomicity of a checkpoint is its caller's: the
+trainer has every role write into one staging directory that becomes ``global_step_N`` by one rename
+(:mod:`megarl.trainer.checkpoint`), so there is one commit protocol, not one per engine nested in another.
+``root`` must be a filesystem shared by all ranks. Strategy: megatron's ``torch_dist`` format
+(torch.distributed.checkpoint) for the sharded tensors, written in process (:func:`in_process_save_strategy`),
+which works on CPU/gloo as well as on GPU/NCCL; model weights saved at one layout load at another.
 RNG states are saved per (PP, TP) rank (a ``ShardedObject`` replicated over DP) and only restored when
 the layout matches. Leaves out: async save, and HF-format export (see ``converters/``).
 """

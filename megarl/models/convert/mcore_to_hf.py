@@ -289,8 +289,8 @@ def _plan_torch_dist_to_hf(ckpt_dir: str, bridge, max_shard_bytes: int) -> list[
         for item in items:
             stored, described = tuple(reader.shape(item.key)), tuple(item.global_shape)
             if stored != described and not (vocab_rows and stored[1:] == described[1:] and stored[0] >= vocab_rows):
-                raise ValueError(f"{reader.path}: {item.key!r} is {stored}, but config.json describes {described}: config "
-                                 f"and checkpoint do not match")
+                raise ValueError(f"{reader.path}: {item.key!r} is {stored}, but config.json describes {described}: "
+                                 f"config and checkpoint do not match")
         dtype = reader.dtype(items[0].key)
         merged = torch.empty(layout.param_shapes[name], dtype=dtype, device="meta")
         planned = [PlannedTensor(n, t.dtype, tuple(t.shape)) for n, t in bridge.mcore_to_hf(name, merged)]
