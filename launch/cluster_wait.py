@@ -57,21 +57,30 @@ def describe_nodes(nodes: list[ClusterNode]) -> str:
     return "; ".join(f"{n.name} ({n.ip}, {n.gpus:g} GPU, {n.cpus:g} CPU)" for n in nodes)
 
 
-def wait_for_nodes(nnodes: int, per_node: int, device: str, timeout_s: float, poll_s: float = 1.0) -> list[ClusterNode]:
-    """Poll the connected cluster until ``nnodes`` usable nodes are alive; return them (sorted by name)."""
+def wait_for_nodes(nnodes: int, per_node: int, device: str, timeout_s: float, poll_s: float = 1.0, *,
+                   whole_allocation: bool = False) -> list[ClusterNode]:
+    """Poll the connected cluster until ``nnodes`` usable nodes are alive; return them (sorted by name).
+
+    ``whole_allocation``: the cluster is exactly the ``nnodes`` nodes a scheduler gave the job (Slurm), so once
+    all of them have joined, too few usable ones will not change by waiting: fail then, not at the timeout
+    (a job asking for more GPUs per node than the nodes have fails in seconds, not after 10 minutes)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     while True:
         nodes = list_alive_nodes()
         usable = usable_nodes(nodes, per_node, device)
         if len(usable) >= nnodes:
             return usable
-        if time.monotonic() >= deadline:
+        every_node_joined = whole_allocation and len(nodes) >= nnodes
+        if every_node_joined or time.monotonic() >= deadline:
             unit = "GPUs" if device == "cuda" else "CPUs"
+            when = (f"with all {len(nodes)} nodes of the allocation joined" if every_node_joined
+                    else f"after {timeout_s:g} s")
             raise ClusterWaitError(
                 f"the run asks for {nnodes} nodes x {per_node} {unit} (trainer.nnodes x trainer.n_gpus_per_node) "
-                f"but after {timeout_s:g} s the cluster has {len(usable)} such node(s); alive nodes: "
+                f"but {when} the cluster has {len(usable)} such node(s); alive nodes: "
                 f"{describe_nodes(nodes)}. Check the per-node logs of the workers that did not join."
             )
         time.sleep(poll_s)
@@ -84,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-node", type=int, required=True)
     parser.add_argument("--device", choices=("cuda", "cpu"), required=True)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--whole-allocation", action="store_true",
+                        help="the cluster is exactly the job's --nodes nodes: fail once all joined and too few fit")
     args = parser.parse_args(argv)
     import ray
 
@@ -100,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             time.sleep(2.0)
     try:
-        nodes = wait_for_nodes(args.nodes, args.per_node, args.device, max(deadline - time.monotonic(), 1.0))
+        nodes = wait_for_nodes(args.nodes, args.per_node, args.device, max(deadline - time.monotonic(), 1.0),
+                               whole_allocation=args.whole_allocation)
     except ClusterWaitError as exc:
         print(f"cluster_wait: {exc}", file=sys.stderr)
         return 1

@@ -99,7 +99,7 @@ megarl_start_ray_node() {
 megarl_wait_for_cluster() {
     "$PYTHON" "$MEGARL_ROOT/launch/cluster_wait.py" --address "$MEGARL_HEAD_IP:$MEGARL_RAY_PORT" \
         --nodes "${#MEGARL_NODES[@]}" --per-node "$MEGARL_SLURM_GPUS_PER_NODE" --device "$MEGARL_SLURM_DEVICE" \
-        --timeout-s "${MEGARL_RAY_WAIT_TIMEOUT_S:-600}"
+        --timeout-s "${MEGARL_RAY_WAIT_TIMEOUT_S:-600}" --whole-allocation
 }
 
 # What to signal for a step: its whole process group when its pid leads one of its own (a local step in a

@@ -218,6 +218,8 @@ def test_too_small_cluster_fails_with_what_is_missing(sim):
     output = sim.output.read_text()
     assert rc == 1, output
     assert "the run asks for 2 nodes x 2 CPUs" in output and "has 0 such node(s)" in output, output
+    # both nodes of the allocation joined and neither fits: said then, not after MEGARL_RAY_WAIT_TIMEOUT_S
+    assert "with all 2 nodes of the allocation joined" in output, output
     assert "simnode1 (" in output and "simnode2 (" in output, output  # the alive nodes are listed
     assert "cluster did not come up" in output
     assert wait_until_gone(sim.markers, 30) == []
