@@ -32,9 +32,18 @@ def _tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     return [(s.step, s.value) for s in events.Scalars(tag)]
 
 
+@pytest.fixture(scope="module")
+def tiny_grpo_run(tmp_path_factory):
+    """The main job: 30 steps of tiny GRPO, validation at step 15. Its curve is also the uninterrupted run the
+    resume test compares against (the learning rate is constant, so its first steps are those of any shorter
+    run of the same config)."""
+    out = tmp_path_factory.mktemp("tiny_grpo")
+    return _run(_config(out, "trainer.total_training_steps=30", "trainer.test_freq=15")), out
+
+
 @pytest.mark.timeout(600)
-def test_grpo_reward_rises_and_logs_everywhere(tmp_path):
-    history = _run(_config(tmp_path, "trainer.total_training_steps=30", "trainer.test_freq=15"))
+def test_grpo_reward_rises_and_logs_everywhere(tiny_grpo_run):
+    history, out = tiny_grpo_run
     scores = [h["critic/score/mean"] for h in history]
     assert len(scores) == 30
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
@@ -43,12 +52,12 @@ def test_grpo_reward_rises_and_logs_everywhere(tmp_path):
                 "timing_s/weight_sync", "weight_sync/bytes", "perf/tokens_per_s", "response_length/mean"):
         assert key in history[-1], key
     assert history[14]["val/score/mean"] >= 0
-    rows = read_jsonl_metrics(tmp_path / "metrics.jsonl")
+    rows = read_jsonl_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 31))
-    tb = _tensorboard_scalars(tmp_path, "critic/score/mean")
+    tb = _tensorboard_scalars(out, "critic/score/mean")
     assert [step for step, _ in tb] == list(range(1, 31))
     assert tb[-1][1] == pytest.approx(scores[-1], rel=1e-6)
-    assert (tmp_path / "config.yaml").is_file()
+    assert (out / "config.yaml").is_file()
 
 
 @pytest.mark.timeout(900)
@@ -58,8 +67,11 @@ def test_grpo_reward_rises_and_logs_everywhere(tmp_path):
     ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16"),
 ], ids=["dp1", "dp2_distributed_optimizer"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, layout):
-    straight = _run(_config(tmp_path / "straight", "trainer.total_training_steps=4", *layout))
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, layout, request):
+    if layout:
+        straight = _run(_config(tmp_path / "straight", "trainer.total_training_steps=4", *layout))
+    else:  # the main job's run is the uninterrupted one
+        straight = request.getfixturevalue("tiny_grpo_run")[0][:4]
     interrupted = tmp_path / "interrupted"
     _run(_config(interrupted, "trainer.total_training_steps=2", "trainer.save_freq=2", *layout))
     assert (interrupted / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
