@@ -111,10 +111,9 @@ class TensorConverter:
             return pad_vocab(parts[0], self.padded_vocab_size(1))
         return parts[0]
 
-    def row_runs(self, global_name: str, hf_rows: Mapping[str, int]) -> tuple[list[RowRun], int]:
+    def row_runs(self, global_name: str, hf_rows: Mapping[str, int]) -> list[RowRun]:
         """:meth:`hf_to_mcore` as row copies: runs that fill the megatron tensor (TP=1) from its HF tensors,
-        whose first dimensions are ``hf_rows``, and the megatron tensor's row count; rows no run covers (the
-        vocabulary's padding) are zeros. Every fusion is a reordering of whole rows, so a reader can put each
+        whose first dimensions are ``hf_rows``; rows no run covers (the vocabulary's padding) are zeros. Every fusion is a reordering of whole rows, so a reader can put each
         HF row where it belongs as it reads, without building the HF tensors first."""
         rule = self.rule(global_name)
         names = rule.hf_names
@@ -126,13 +125,11 @@ class TensorConverter:
                 runs += [RowRun(names[0], g * q_rows, g * group_rows, q_rows),
                          RowRun(names[1], g * head_dim, g * group_rows + q_rows, head_dim),
                          RowRun(names[2], g * head_dim, g * group_rows + q_rows + head_dim, head_dim)]
-            return runs, groups * group_rows
+            return runs
         if rule.fusion == "gate_up":
             rows = hf_rows[names[0]]
-            return [RowRun(names[0], 0, 0, rows), RowRun(names[1], 0, rows, hf_rows[names[1]])], 2 * rows
-        if rule.fusion == "vocab":
-            return [RowRun(names[0], 0, 0, hf_rows[names[0]])], self.padded_vocab_size(1)
-        return [RowRun(names[0], 0, 0, hf_rows[names[0]])], hf_rows[names[0]]
+            return [RowRun(names[0], 0, 0, rows), RowRun(names[1], 0, rows, hf_rows[names[1]])]
+        return [RowRun(names[0], 0, 0, hf_rows[names[0]])]  # copy, and vocab (its padding rows stay zero)
 
     def mcore_to_hf(self, global_name: str, full_tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         rule = self.rule(global_name)

@@ -380,7 +380,7 @@ def _read_chunk_in_place(item, entry: Entry, context: _Context) -> Optional[torc
     if not shape or tuple(stride) != contiguous_stride or storage_offset % max(row_numel, 1):
         return None
     first = storage_offset // max(row_numel, 1)
-    runs, _ = context.tensors.row_runs(entry.global_name, {name: loc.shape[0] for name, loc in sources.items()})
+    runs = context.tensors.row_runs(entry.global_name, {name: loc.shape[0] for name, loc in sources.items()})
     reads = []  # (run, first and last+1 row of the chunk it fills)
     for run in runs:
         lo, hi = max(run.dst_row, first), min(run.dst_row + run.rows, first + shape[0])
