@@ -2,12 +2,14 @@
 
 Checks choices (estimator, loss, engine names...), that the batch sizes divide across mini-batches,
 data-parallel ranks and micro-batches, and that the algorithm has what it needs (gae needs a critic,
-GRPO-style estimators need several samples per prompt). It also fills derived defaults
-(clip_ratio_low/high, critic.enable). Hardware fit is the planner's job (:mod:`megarl.plan`).
+GRPO-style estimators need several samples per prompt). :func:`check_config` only reads; the derived defaults
+it checks (critic.enable, clip_ratio_low/high, ...) are filled before, by :mod:`megarl.config.defaults`;
+:func:`validate_config` does both. Hardware fit is the planner's job (:mod:`megarl.plan`).
 """
 
 from __future__ import annotations
 
+from megarl.config.defaults import fill_derived_defaults
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig, MegatronConfig
 
@@ -255,7 +257,15 @@ def critic_enabled(cfg: MegarlConfig) -> bool:
 
 
 def validate_config(cfg: MegarlConfig) -> MegarlConfig:
-    """Raise :class:`ConfigError` on the first inconsistency; fill derived defaults in place."""
+    """Fill the derived defaults of ``cfg`` in place, then raise :class:`ConfigError` on its first
+    inconsistency."""
+    check_config(fill_derived_defaults(cfg))
+    return cfg
+
+
+def check_config(cfg: MegarlConfig) -> None:
+    """Raise :class:`ConfigError` on the first inconsistency of a config whose derived defaults are filled;
+    ``cfg`` is not changed."""
     alg, arr, t, data = cfg.algorithm, cfg.actor_rollout_ref, cfg.trainer, cfg.data
     actor, rollout = arr.actor, arr.rollout
 
@@ -325,8 +335,6 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
 
-    if cfg.critic.enable is None:
-        cfg.critic.enable = alg.adv_estimator == "gae"
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
     if alg.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
@@ -334,10 +342,6 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
             f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt and needs "
             f"actor_rollout_ref.rollout.n >= 2, got {rollout.n}"
         )
-    if actor.clip_ratio_low is None:
-        actor.clip_ratio_low = actor.clip_ratio
-    if actor.clip_ratio_high is None:
-        actor.clip_ratio_high = actor.clip_ratio
     if actor.policy_loss != "gspo" and actor.clip_ratio_c is not None and actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c (the dual clip, on by default as in verl) must be "
                           f"> 1, or null to turn it off; got {actor.clip_ratio_c}")
@@ -353,8 +357,6 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
                 f"trainer.placement=separate on {t.nnodes} nodes gives the rollout whole nodes: trainer.rollout_gpus="
                 f"{t.rollout_gpus} must be a multiple of trainer.n_gpus_per_node={t.n_gpus_per_node}"
             )
-    if cfg.critic.use_sequence_packing is None:
-        cfg.critic.use_sequence_packing = arr.model.use_sequence_packing
     _check_token_budgets(cfg)
     n_train = training_world_size(cfg)
     dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train, arr.model.layer_spec)
@@ -379,4 +381,3 @@ def validate_config(cfg: MegarlConfig) -> MegarlConfig:
         )
     if t.save_freq == 0 or t.test_freq == 0:
         raise ConfigError("trainer.save_freq and trainer.test_freq must be positive or -1 (never)")
-    return cfg

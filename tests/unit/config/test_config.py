@@ -18,6 +18,22 @@ def test_defaults_construct_and_validate():
     assert cfg.trainer.default_local_dir == "outputs/megarl/grpo_tiny"  # interpolated
 
 
+def test_checking_reads_only_and_defaults_are_filled_apart():
+    import copy
+
+    from megarl.config.defaults import fill_derived_defaults
+    from megarl.config.validate import check_config
+
+    unfilled = MegarlConfig()  # what the schema gives: the derived fields still None
+    assert unfilled.critic.enable is None and unfilled.actor_rollout_ref.actor.clip_ratio_low is None
+    filled = fill_derived_defaults(copy.deepcopy(unfilled))
+    assert filled.critic.enable is False and filled.actor_rollout_ref.actor.clip_ratio_low == 0.2
+    assert filled.critic.use_sequence_packing == filled.actor_rollout_ref.model.use_sequence_packing
+    before = copy.deepcopy(filled)
+    check_config(filled)
+    assert filled == before
+
+
 def test_overrides_are_typed(tmp_path):
     cfg = load_config(overrides=[
         "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=3e-6",
