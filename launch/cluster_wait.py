@@ -66,8 +66,7 @@ def wait_for_nodes(nnodes: int, per_node: int, device: str, timeout_s: float, po
     (a job asking for more GPUs per node than the nodes have fails in seconds, not after 10 minutes)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    started = time.monotonic()
-    deadline = started + timeout_s
+    deadline = time.monotonic() + timeout_s
     while True:
         nodes = list_alive_nodes()
         usable = usable_nodes(nodes, per_node, device)

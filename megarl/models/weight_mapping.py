@@ -113,8 +113,9 @@ class TensorConverter:
 
     def row_runs(self, global_name: str, hf_rows: Mapping[str, int]) -> list[RowRun]:
         """:meth:`hf_to_mcore` as row copies: runs that fill the megatron tensor (TP=1) from its HF tensors,
-        whose first dimensions are ``hf_rows``; rows no run covers (the vocabulary's padding) are zeros. Every fusion is a reordering of whole rows, so a reader can put each
-        HF row where it belongs as it reads, without building the HF tensors first."""
+        whose first dimensions are ``hf_rows``; rows no run covers (the vocabulary's padding) are zeros. Every
+        fusion is a reordering of whole rows, so a reader can put each HF row where it belongs as it reads,
+        without building the HF tensors first."""
         rule = self.rule(global_name)
         names = rule.hf_names
         if rule.fusion == "qkv":

@@ -63,7 +63,7 @@ def test_chunks_read_in_place_equal_the_chunks_of_the_fused_parameter(arch, tmp_
     # a vocabulary megatron pads (1000 -> 1024 rows) and a few tensors per file
     hf_dir = save_tiny_hf_checkpoint(arch, tmp_path / "hf", seed=3, vocab_size=1000)
     config = h.read_hf_config_dict(hf_dir)
-    bridge = h._bridge(config, "local")
+    bridge = h.planning_bridge(config, "local")
     layout, locations = checkpoint_layout(bridge), index_hf_safetensors(hf_dir)
     for dtype, in_place in ((None, True), (torch.float64, False)):
         options = h.ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype)
@@ -74,7 +74,7 @@ def test_chunks_read_in_place_equal_the_chunks_of_the_fused_parameter(arch, tmp_
             entries = {entry.global_name: entry for entry in task.payload.entries}
             for item in task.payload.items:
                 entry = entries[item.param]
-                chunk = h._read_chunk_in_place(item, entry, context)
+                chunk = h._read_chunk_in_place(item, entry, task.payload.dtypes[item.param], context)
                 assert (chunk is not None) == in_place, item.key
                 if chunk is None:
                     continue

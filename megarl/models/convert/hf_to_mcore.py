@@ -40,7 +40,7 @@ from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_b
 from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
 from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
 from megarl.models.convert.safetensors_stream import (
-    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_into, read_tensor,
+    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_rows_into, read_tensor,
 )
 from megarl.models.weight_mapping import TensorConverter
 
@@ -83,11 +83,13 @@ def read_hf_config_dict(hf_dir: str) -> dict:
         return json.load(handle)
 
 
-def _bridge(hf_config: dict, spec: str):
+def planning_bridge(hf_config: dict, spec: str):
+    """The bridge a conversion plans with: keys and shapes only, every one checked against the tensors it is
+    converted from, so config.json's own fields serve (:class:`~megarl.models.hf_config.ConfigFields`: no
+    transformers to import)."""
     from megarl.models.bridge import ModelBridge
     from megarl.models.hf_config import ConfigFields
 
-    # keys and shapes only (every tensor's shape is checked against the weights): no transformers to import
     return ModelBridge.from_hf_config(ConfigFields(hf_config), spec=spec)
 
 
@@ -272,7 +274,7 @@ def convert_hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *
         raise FileExistsError(f"{meta_path} exists: {out_dir} already holds a finished checkpoint")
     hf_config = read_hf_config_dict(hf_dir)
     options = ConversionOptions(tp=tp, pp=pp, ep=ep, dtype=dtype, spec=spec, max_file_bytes=max_file_bytes)
-    bridge = _bridge(hf_config, spec)
+    bridge = planning_bridge(hf_config, spec)
     stages = pipeline_layers(bridge.dims.num_layers, pp)
     local_experts = num_local_experts(bridge.dims.num_experts, ep)
     locations = index_hf_safetensors(hf_dir)
@@ -365,21 +367,21 @@ def plan_torch_dist(bridge, layout, locations: dict[str, TensorLocation], option
     return tasks
 
 
-def _read_chunk_in_place(item, entry: Entry, context: _Context) -> Optional[torch.Tensor]:
-    """Megatron's chunk ``item`` of ``entry``'s parameter read straight from the HF files into a tensor of its
-    own: each HF row lands where the fusion puts it, so q/k/v and gate/up are fused without building the HF
-    tensors, the fused parameter, or the copy of a chunk that DCP's writer would clone out of it. ``None``
-    where that does not apply (a dtype to change, FP8 to dequantize, a chunk that is not a row range)."""
+def _read_chunk_in_place(item, entry: Entry, dtype: torch.dtype, context: _Context) -> Optional[torch.Tensor]:
+    """Megatron's chunk ``item`` of ``entry``'s parameter (planned as ``dtype``) read straight from the HF files
+    into a tensor of its own: each HF row lands where the fusion puts it, so q/k/v and gate/up are fused without
+    building the HF tensors, the fused parameter, or the copy of a chunk that DCP's writer would clone out of it.
+    ``None`` where that does not apply (a source to convert to ``dtype``, FP8 to dequantize, a chunk that is not
+    a row range)."""
     sources = {source.hf_name: source.location for source in entry.sources}
-    if any(s.scale is not None or _output_dtype(s.location, context.options) != s.location.dtype
-           for s in entry.sources):
+    if any(s.scale is not None or s.location.dtype != dtype for s in entry.sources):
         return None
     shape, stride, storage_offset = item.view
-    row_numel = math.prod(shape[1:])
+    row_numel = max(math.prod(shape[1:]), 1)
     contiguous_stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    if not shape or tuple(stride) != contiguous_stride or storage_offset % max(row_numel, 1):
+    if not shape or tuple(stride) != contiguous_stride or storage_offset % row_numel:
         return None
-    first = storage_offset // max(row_numel, 1)
+    first = storage_offset // row_numel
     runs = context.tensors.row_runs(entry.global_name, {name: loc.shape[0] for name, loc in sources.items()})
     reads = []  # (run, first and last+1 row of the chunk it fills)
     for run in runs:
@@ -389,13 +391,9 @@ def _read_chunk_in_place(item, entry: Entry, context: _Context) -> Optional[torc
                 return None
             reads.append((run, lo, hi))
     padded = sum(hi - lo for _, lo, hi in reads) < shape[0]  # the vocabulary's padding rows stay zero
-    dtype = next(iter(sources.values())).dtype
     out = torch.zeros(shape, dtype=dtype) if padded else torch.empty(shape, dtype=dtype)
     for run, lo, hi in reads:
-        location = sources[run.hf_name]
-        row_bytes = location.nbytes // location.shape[0]
-        read_into(location.path, out[lo - first:hi - first],
-                  location.start + (run.src_row + lo - run.dst_row) * row_bytes, what=run.hf_name)
+        read_rows_into(sources[run.hf_name], out[lo - first:hi - first], run.src_row + lo - run.dst_row)
     return out.reshape(item.chunk_shape)
 
 
@@ -410,7 +408,7 @@ def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, 
     current: dict[str, torch.Tensor] = {}
 
     def produce(item) -> torch.Tensor:
-        chunk = _read_chunk_in_place(item, entries[item.param], context)
+        chunk = _read_chunk_in_place(item, entries[item.param], payload.dtypes[item.param], context)
         if chunk is None:
             if item.param not in current:  # parameters come one after another: one is held at a time
                 current.clear()
@@ -440,7 +438,7 @@ def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.d
         start_worker_server([__name__, *WORKER_MODULES])
     hf_config = read_hf_config_dict(hf_dir)
     options = ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype, spec="local", max_file_bytes=max_file_bytes)
-    bridge = _bridge(hf_config, "local")  # the checkpoint's keys are the same for the TE spec
+    bridge = planning_bridge(hf_config, "local")  # the checkpoint's keys are the same for the TE spec
     context_args = _context_args(bridge, hf_config, options, out_dir)
     # the workers start while megatron describes the checkpoint (a meta model: seconds)
     with (WorkerPool(workers, _Context, context_args, _run_torch_dist_task, preload=WORKER_MODULES)

@@ -250,15 +250,13 @@ def _make_dist_context(tensors: TensorConverter, ckpt_dir: str, out_dir: str) ->
 
 def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int, workers: int,
                               hf_config_dir: Optional[str]) -> dict:
-    from megarl.models.bridge import ModelBridge
+    from megarl.models.convert.hf_to_mcore import planning_bridge
     from megarl.models.convert.torch_dist import WORKER_MODULES
-    from megarl.models.hf_config import ConfigFields
 
     if workers > 1:
         start_worker_server([__name__, *WORKER_MODULES])
     hf_config, record, assets_dir = _dist_hf_config(ckpt_dir, hf_config_dir)
-    # keys and shapes only (each checked against the checkpoint's): no transformers to import
-    bridge = ModelBridge.from_hf_config(ConfigFields(hf_config), spec="local")
+    bridge = planning_bridge(hf_config, "local")
     context_args = (bridge.tensors, ckpt_dir, out_dir)
     # the workers start while megatron describes the checkpoint (a meta model: seconds)
     with (WorkerPool(workers, _make_dist_context, context_args, _run_dist_task, preload=WORKER_MODULES)

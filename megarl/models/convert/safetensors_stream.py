@@ -100,33 +100,36 @@ def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorLo
 def read_tensor(location: TensorLocation, *, row_start: Optional[int] = None,
                 row_end: Optional[int] = None) -> torch.Tensor:
     """Read one tensor (or rows ``[row_start, row_end)`` of its first dim) into freshly owned memory."""
-    shape, start = location.shape, location.start
+    shape, first_row = location.shape, 0
     if row_start is not None or row_end is not None:
         rows = shape[0]
         row_start, row_end = row_start or 0, rows if row_end is None else row_end
         if not 0 <= row_start <= row_end <= rows:
             raise ValueError(f"{location.name}: rows [{row_start}, {row_end}) outside [0, {rows})")
-        row_bytes = tensor_nbytes(location.dtype, shape[1:])
-        start, shape = start + row_start * row_bytes, (row_end - row_start, *shape[1:])
-    nbytes = tensor_nbytes(location.dtype, shape)
+        shape, first_row = (row_end - row_start, *shape[1:]), row_start
     out = torch.empty(shape, dtype=location.dtype)
-    if nbytes:
-        # straight into the tensor's memory (no zero-filled staging buffer: one pass over the bytes fewer)
-        read_into(location.path, out, start, what=location.name)
+    read_rows_into(location, out, first_row)
     return out
 
 
-def read_into(path: str, out: torch.Tensor, start: int, *, what: str) -> None:
-    """Fill the contiguous CPU tensor ``out`` with the bytes of ``path`` from offset ``start``."""
+def read_rows_into(location: TensorLocation, out: torch.Tensor, first_row: int = 0) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the stored tensor's rows from ``first_row`` on, straight from
+    the file into ``out``'s memory (no staging buffer)."""
+    start = location.start + first_row * tensor_nbytes(location.dtype, location.shape[1:])
     view = memoryview(out.view(-1).view(torch.uint8).numpy())
-    nbytes = len(view)
-    fd = os.open(path, os.O_RDONLY)
+    if (out.dtype != location.dtype or tuple(out.shape[1:]) != tuple(location.shape[1:])
+            or first_row < 0 or start + len(view) > location.end):
+        raise ValueError(f"{location.name}: {tuple(out.shape)} {out.dtype} from row {first_row} does not fit the "
+                         f"stored {location.shape} {location.dtype}")
+    if not len(view):
+        return
+    fd = os.open(location.path, os.O_RDONLY)
     try:
         done = 0
-        while done < nbytes:  # pread may return short counts for large requests
+        while done < len(view):  # pread may return short counts for large requests
             got = os.preadv(fd, [view[done:]], start + done)
             if got <= 0:
-                raise IOError(f"{path}: unexpected end of file reading {what!r}")
+                raise IOError(f"{location.path}: unexpected end of file reading {location.name!r}")
             done += got
     finally:
         os.close(fd)
