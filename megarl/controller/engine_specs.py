@@ -6,17 +6,8 @@ from __future__ import annotations
 import torch
 
 from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
-from megarl.models.parallel_layout import ParallelLayout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def parallel_layout(m: MegatronConfig) -> ParallelLayout:
-    return ParallelLayout(
-        tensor_parallel=m.tensor_model_parallel_size, pipeline_parallel=m.pipeline_model_parallel_size,
-        virtual_pipeline_parallel=m.virtual_pipeline_model_parallel_size, context_parallel=m.context_parallel_size,
-        expert_parallel=m.expert_model_parallel_size, expert_tensor_parallel=m.expert_tensor_parallel_size,
-    )
 
 
 def megatron_optimizer_config(optim: OptimConfig, m: MegatronConfig):
@@ -48,9 +39,6 @@ def ddp_config(m: MegatronConfig):
 
 def transformer_overrides(m: MegatronConfig) -> dict:
     overrides = {"sequence_parallel": m.sequence_parallel}
-    for key in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
-        if getattr(m, key) is not None:
-            overrides[key] = getattr(m, key)
     if m.recompute_granularity:
         overrides.update(recompute_granularity=m.recompute_granularity)
         if m.recompute_granularity == "full":

@@ -7,10 +7,11 @@ from typing import Optional
 
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.controller.dispatch import DPInfo
-from megarl.controller.engine_specs import DTYPES, parallel_layout, transformer_overrides
+from megarl.controller.engine_specs import DTYPES, transformer_overrides
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.parallel import initialize_megatron_parallel
 from megarl.models.bridge import unwrap_model
+from megarl.models.parallel_layout import ParallelLayout
 
 
 class MegatronRole:
@@ -22,7 +23,7 @@ class MegatronRole:
 
         self.cfg = cfg
         self.context = init_torch_distributed(timeout_s=cfg.trainer.worker_timeout_s)
-        self.layout = parallel_layout(megatron)
+        self.layout = ParallelLayout.from_megatron_config(megatron)
         self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
         self.model_path = str(resolve_model_path(model_path))
         spec = cfg.actor_rollout_ref.model.layer_spec

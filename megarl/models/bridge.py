@@ -41,9 +41,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from megarl.models.architectures import Architecture, DecoderDims, architecture_for
+from megarl.models.architectures import Architecture, architecture_for
 from megarl.models.architectures.base import build_param_rules
 from megarl.models.hf_config import HFConfigLike, architecture_name, load_hf_config
+from megarl.models.model_dims import ModelDims
 from megarl.models.parallel_layout import ParallelLayout
 from megarl.models.weight_mapping import ParamRule, TensorConverter
 
@@ -89,9 +90,9 @@ class ModelBridge:
         self.expert_layout = expert_layout
         self.make_vocab_size_divisible_by = make_vocab_size_divisible_by
         self.head = head
-        self.dims: DecoderDims = architecture.read_dims(hf_config)
+        self.dims: ModelDims = architecture.read_dims(hf_config)
         if head == "score":  # a classifier has no vocabulary projection to tie to the embedding
-            self.dims = dataclasses.replace(self.dims, tied_embeddings=False)
+            self.dims = dataclasses.replace(self.dims, tie_word_embeddings=False)
         rules = build_param_rules(self.dims, spec=spec, expert_layout=expert_layout)
         if head == "score":
             rules = [ParamRule("output_layer.weight", (SCORE_HEAD_HF_NAME,)) if rule.mcore_name == "output_layer.weight"
@@ -99,7 +100,7 @@ class ModelBridge:
         self._rules: dict[str, ParamRule] = {rule.mcore_name: rule for rule in rules}
         self.tensors = TensorConverter(self._rules, self.dims.vocab_size, make_vocab_size_divisible_by)
         self._hf_to_mcore_name = {hf: rule.mcore_name for rule in self._rules.values() for hf in rule.hf_names}
-        mtp = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+        mtp = self.dims.mtp_layers
         if mtp:
             logger.info("%s: skipping %d multi-token-prediction layer(s) (model.layers.%d+); they are not built "
                         "and their HF tensors are ignored", architecture.hf_architecture, mtp, self.dims.num_layers)
@@ -137,7 +138,7 @@ class ModelBridge:
 
     @property
     def tied_embeddings(self) -> bool:
-        return self.dims.tied_embeddings
+        return self.dims.tie_word_embeddings
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         return self.tensors.padded_vocab_size(tp_size)
@@ -175,6 +176,10 @@ class ModelBridge:
                 kwargs.pop(key)
         if layout.virtual_pipeline_parallel is None:
             kwargs.pop("virtual_pipeline_model_parallel_size")
+        if layout.first_stage_layers is not None:
+            kwargs["num_layers_in_first_pipeline_stage"] = layout.first_stage_layers
+        if layout.last_stage_layers is not None:
+            kwargs["num_layers_in_last_pipeline_stage"] = layout.last_stage_layers
         kwargs.update(overrides)
         config_cls = MLATransformerConfig if self.architecture.uses_mla else TransformerConfig
         return config_cls(**kwargs)

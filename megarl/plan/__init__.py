@@ -8,7 +8,7 @@ from megarl.plan.layout import LayoutSpec, TrainingSpec, check_layout, split_pip
 from megarl.plan.memory import (
     KernelSpec, PhaseMemory, PlanReport, layer_activation_bytes, logits_bytes, pad_vocab, plan_layout,
 )
-from megarl.plan.model_dims import ModelDims, read_model_dims
+from megarl.models.model_dims import ModelDims, read_model_dims
 from megarl.plan.param_count import LayerParams, ParamCount, count_parameters
 
 __all__ = [

@@ -17,6 +17,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megarl.models.parallel_layout import ParallelLayout
 from megarl.plan.layout import LayoutSpec, TrainingSpec
 from megarl.plan.memory import plan_layout
 
@@ -49,16 +50,8 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
     m = arr.actor.megatron
     layout = LayoutSpec(
         world_size=training_world_size(cfg),
-        tp=m.tensor_model_parallel_size,
-        pp=m.pipeline_model_parallel_size,
-        vpp=m.virtual_pipeline_model_parallel_size,
-        cp=m.context_parallel_size,
-        ep=m.expert_model_parallel_size,
-        etp=m.expert_tensor_parallel_size,
+        parallel=ParallelLayout.from_megatron_config(m),
         sequence_parallel=m.sequence_parallel,
-        # Fields the schema may not carry (yet): uneven pipeline stages.
-        first_stage_layers=getattr(m, "num_layers_in_first_pipeline_stage", None),
-        last_stage_layers=getattr(m, "num_layers_in_last_pipeline_stage", None),
         distributed_optimizer=m.use_distributed_optimizer,
         # optimizer_offload (verl meaning) parks Adam states on CPU between phases, which offload_train_state
         # models; Megatron's CPU optimizer step is a different feature the schema may add later.
@@ -124,17 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# layout flags that set the model's ParallelLayout, and the field each sets
+_PARALLEL_FLAGS = {
+    "tp": "tensor_parallel", "pp": "pipeline_parallel", "vpp": "virtual_pipeline_parallel", "cp": "context_parallel",
+    "ep": "expert_parallel", "etp": "expert_tensor_parallel", "first_stage_layers": "first_stage_layers",
+    "last_stage_layers": "last_stage_layers",
+}
+
+
 def _apply_flags(args, layout: LayoutSpec, training: TrainingSpec) -> tuple[LayoutSpec, TrainingSpec]:
-    layout_fields = {
-        "world_size", "tp", "pp", "vpp", "cp", "ep", "etp", "first_stage_layers", "last_stage_layers",
-        "rollout_tp", "rollout_gpus", "recompute", "placement",
-    }
+    layout_fields = {"world_size", "rollout_tp", "rollout_gpus", "recompute", "placement"}
     training_fields = {
         "global_batch_size", "micro_batch_size", "max_seq_len", "rollout_max_num_seqs",
         "rollout_gpu_memory_utilization", "rollout_weight_bytes",
     }
     values = vars(args)
-    layout = replace(layout, **{k: values[k] for k in layout_fields if values[k] is not None})
+    parallel = replace(layout.parallel, **{field: values[flag] for flag, field in _PARALLEL_FLAGS.items()
+                                           if values[flag] is not None})
+    layout = replace(layout, parallel=parallel, **{k: values[k] for k in layout_fields if values[k] is not None})
     training = replace(training, **{k: values[k] for k in training_fields if values[k] is not None})
     if args.no_sequence_parallel:
         layout = replace(layout, sequence_parallel=False)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megarl.plan.model_dims import ModelDims
+from megarl.models.model_dims import ModelDims
+from megarl.models.parallel_layout import ParallelLayout
 
 Recompute = Literal["none", "selective", "full"]
 Placement = Literal["colocated", "separate"]
@@ -20,18 +21,11 @@ Placement = Literal["colocated", "separate"]
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """Where the trainer and the rollout engine run and how the trainer's model is split."""
+    """Where the trainer and the rollout engine run, and how the trainer's model is split (``parallel``)."""
 
     world_size: int  # GPUs of the trainer (colocated: also the rollout GPUs)
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B)
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel; Megatron's default is tp
+    parallel: ParallelLayout = ParallelLayout()
     sequence_parallel: bool = True
-    first_stage_layers: int | None = None  # Megatron num_layers_in_first_pipeline_stage
-    last_stage_layers: int | None = None  # Megatron num_layers_in_last_pipeline_stage
     distributed_optimizer: bool = True
     optimizer_cpu_offload: bool = False
     recompute: Recompute = "none"
@@ -41,16 +35,13 @@ class LayoutSpec:
     rollout_gpus: int = 0  # separate placement: GPUs given to rollout engines
 
     @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.cp)
+        return self.world_size // self.parallel.model_parallel
 
     @property
     def expert_dp(self) -> int:
-        return self.world_size // (self.pp * self.ep * self.expert_tp)
+        p = self.parallel
+        return self.world_size // (p.pipeline_parallel * p.expert_parallel * p.effective_expert_tensor_parallel)
 
 
 @dataclass(frozen=True)
@@ -76,8 +67,8 @@ class TrainingSpec:
 
 def split_pipeline_layers(num_layers: int, layout: LayoutSpec) -> tuple[list[int], list[str]]:
     """Decoder layers on each pipeline stage, and the errors if the split is not possible."""
-    pp, vpp = layout.pp, layout.vpp
-    first, last = layout.first_stage_layers, layout.last_stage_layers
+    p = layout.parallel
+    pp, vpp, first, last = p.pipeline_parallel, p.virtual_pipeline_parallel, p.first_stage_layers, p.last_stage_layers
     errors: list[str] = []
     if pp == 1:
         if first is not None or last is not None:
@@ -121,14 +112,19 @@ def split_pipeline_layers(num_layers: int, layout: LayoutSpec) -> tuple[list[int
 
 def _check_positive(layout: LayoutSpec, training: TrainingSpec) -> list[str]:
     errors = []
-    for name in ("world_size", "tp", "pp", "cp", "ep", "rollout_tp"):
-        value = getattr(layout, name)
-        if not isinstance(value, int) or value < 1:
-            errors.append(f"layout.{name} must be a positive integer, got {value!r}")
+    p = layout.parallel
+    required = {"layout.world_size": layout.world_size, "layout.rollout_tp": layout.rollout_tp,
+                "layout.parallel.tensor_parallel": p.tensor_parallel,
+                "layout.parallel.pipeline_parallel": p.pipeline_parallel,
+                "layout.parallel.context_parallel": p.context_parallel,
+                "layout.parallel.expert_parallel": p.expert_parallel}
+    optional = {"layout.parallel.expert_tensor_parallel": p.expert_tensor_parallel,
+                "layout.parallel.virtual_pipeline_parallel": p.virtual_pipeline_parallel}
     for name in ("global_batch_size", "micro_batch_size", "max_seq_len", "rollout_max_num_seqs"):
-        value = getattr(training, name)
+        required[f"training.{name}"] = getattr(training, name)
+    for name, value in [*required.items(), *((n, v) for n, v in optional.items() if v is not None)]:
         if not isinstance(value, int) or value < 1:
-            errors.append(f"training.{name} must be a positive integer, got {value!r}")
+            errors.append(f"{name} must be a positive integer, got {value!r}")
     if training.max_response_len is not None and not 0 < training.max_response_len < training.max_seq_len:
         errors.append(
             f"training.max_response_len={training.max_response_len} must be in [1, max_seq_len="
@@ -136,10 +132,6 @@ def _check_positive(layout: LayoutSpec, training: TrainingSpec) -> list[str]:
         )
     if training.param_bytes not in (2, 4):
         errors.append(f"training.param_bytes must be 2 (bf16) or 4 (fp32), got {training.param_bytes!r}")
-    if layout.etp is not None and layout.etp < 1:
-        errors.append(f"layout.etp must be a positive integer, got {layout.etp!r}")
-    if layout.vpp is not None and layout.vpp < 1:
-        errors.append(f"layout.vpp must be a positive integer, got {layout.vpp!r}")
     if not 0 < training.rollout_gpu_memory_utilization <= 1:
         errors.append(
             f"training.rollout_gpu_memory_utilization must be in (0, 1], got {training.rollout_gpu_memory_utilization}"
@@ -152,7 +144,9 @@ def check_layout(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) ->
     errors = _check_positive(layout, training)
     if errors:
         return errors
-    tp, pp, cp, ep = layout.tp, layout.pp, layout.cp, layout.ep
+    p = layout.parallel
+    tp, pp, cp, ep = p.tensor_parallel, p.pipeline_parallel, p.context_parallel, p.expert_parallel
+    etp = p.effective_expert_tensor_parallel
     model_parallel = tp * pp * cp
     if layout.world_size % model_parallel:
         errors.append(f"world_size={layout.world_size} is not divisible by tp*pp*cp={tp}*{pp}*{cp}={model_parallel}")
@@ -161,7 +155,7 @@ def check_layout(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) ->
     # Megatron: kv heads split over TP, or (fewer kv heads than TP ranks) each kv head replicated on tp/kv ranks.
     if dims.num_kv_heads % tp and tp % dims.num_kv_heads:
         errors.append(f"num_key_value_heads={dims.num_kv_heads} must be a multiple or a divisor of tp={tp}")
-    if pp == 1 and layout.vpp:
+    if pp == 1 and p.virtual_pipeline_parallel:
         errors.append("vpp needs pp > 1")
     _, pipeline_errors = split_pipeline_layers(dims.num_layers, layout)
     errors += pipeline_errors
@@ -172,10 +166,10 @@ def check_layout(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) ->
     else:
         if dims.moe.num_experts % ep:
             errors.append(f"num_experts={dims.moe.num_experts} is not divisible by ep={ep}")
-        expert_grid = layout.expert_tp * ep * pp
+        expert_grid = etp * ep * pp
         if layout.world_size % expert_grid:
             errors.append(
-                f"world_size={layout.world_size} is not divisible by etp*ep*pp={layout.expert_tp}*{ep}*{pp}"
+                f"world_size={layout.world_size} is not divisible by etp*ep*pp={etp}*{ep}*{pp}"
                 f"={expert_grid} (Megatron's expert grid: etp*ep*expert_dp*pp = world_size)"
             )
         if tp > 1 and ep > 1 and not layout.sequence_parallel:

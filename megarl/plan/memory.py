@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from megarl.plan.layout import LayoutSpec, TrainingSpec, check_layout, split_pipeline_layers
-from megarl.plan.model_dims import ModelDims, read_model_dims
+from megarl.models.model_dims import ModelDims, read_model_dims
 from megarl.plan.param_count import LayerParams, ParamCount, count_parameters
 
 GIB = 1024**3
@@ -172,15 +172,16 @@ def pad_vocab(vocab_size: int, tp: int) -> int:
 
 def _layer_gpu_params(layer: LayerParams, layout: LayoutSpec) -> tuple[float, float]:
     """(dense, expert) parameters of ``layer`` on one GPU."""
-    dense = layer.tp_sharded / layout.tp + layer.replicated
-    expert = layer.routed_experts / (layout.ep * layout.expert_tp)
+    dense = layer.tp_sharded / layout.parallel.tensor_parallel + layer.replicated
+    p = layout.parallel
+    expert = layer.routed_experts / (p.expert_parallel * p.effective_expert_tensor_parallel)
     return dense, expert
 
 
 def _attention_activation_bytes(
     dims: ModelDims, layout: LayoutSpec, tokens: int, recompute: str, seq_len: int, a: int, kernels: KernelSpec
 ) -> float:
-    t, h = layout.tp, dims.hidden_size
+    t, h = layout.parallel.tensor_parallel, dims.hidden_size
     nd = t if layout.sequence_parallel and t > 1 else 1
     heads = dims.num_heads / t
     lse = 4 * tokens * heads
@@ -224,7 +225,7 @@ def _norm_extra_entries(a: int, kernels: KernelSpec) -> float:
 def _mlp_activation_bytes(
     dims: ModelDims, layout: LayoutSpec, tokens: int, is_moe: bool, recompute: str, a: int, kernels: KernelSpec
 ) -> float:
-    t, h = layout.tp, dims.hidden_size
+    t, h = layout.parallel.tensor_parallel, dims.hidden_size
     nd = t if layout.sequence_parallel and t > 1 else 1
     norm = a * tokens * (h / nd) * (1 + _norm_extra_entries(a, kernels))
     if not is_moe:
@@ -233,7 +234,8 @@ def _mlp_activation_bytes(
     moe = dims.moe
     assert moe is not None
     routed_width = 2 if recompute == "selective" else 3  # moe_act recompute drops the activation output
-    routed = a * (tokens / nd) * moe.experts_per_token * (layout.expert_tp * h + routed_width * moe.expert_intermediate_size)
+    etp = layout.parallel.effective_expert_tensor_parallel
+    routed = a * (tokens / nd) * moe.experts_per_token * (etp * h + routed_width * moe.expert_intermediate_size)
     shared = a * tokens * 3 * moe.shared_expert_intermediate_size / t
     router = 4 * tokens * moe.num_experts / nd
     return norm + a * tokens * h / nd + router + routed + shared
@@ -257,9 +259,10 @@ def layer_activation_bytes(
 
 def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) -> float:
     """Peak bytes of one micro-batch's logits through megarl's vocab-parallel log-prob function."""
-    vocab = pad_vocab(dims.vocab_size, layout.tp) / layout.tp
+    tp = layout.parallel.tensor_parallel
+    vocab = pad_vocab(dims.vocab_size, tp) / tp
     rows = training.micro_batch_size
-    positions = rows * training.max_seq_len // layout.cp
+    positions = rows * training.max_seq_len // layout.parallel.context_parallel
     response = rows * (training.max_response_len or training.max_seq_len)
     a = training.param_bytes
     model_logits = a * positions * vocab
@@ -274,7 +277,8 @@ def attention_side_bytes(dims: ModelDims, layout: LayoutSpec, training: Training
     out: dict[str, float] = {}
     b, s = training.micro_batch_size, training.max_seq_len
     if kernels.attention == "materialized":
-        out["attention score buffer (megatron global)"] = training.param_bytes * b * dims.num_heads / layout.tp * s * s
+        heads = dims.num_heads / layout.parallel.tensor_parallel
+        out["attention score buffer (megatron global)"] = training.param_bytes * b * heads * s * s
     if kernels.explicit_attention_mask:
         out["attention masks on device (bool)"] = num_micro_batches * b * s * s
     return out
@@ -289,7 +293,7 @@ def rollout_kv_bytes_per_token(dims: ModelDims, rollout_tp: int, kv_bytes: int) 
 
 def _in_flight_units(layout: LayoutSpec, stage: int, num_micro_batches: int) -> float:
     """Stage-fractions of activations stage ``stage`` holds at its 1F1B peak."""
-    pp, v = layout.pp, layout.vpp or 1
+    pp, v = layout.parallel.pipeline_parallel, layout.parallel.virtual_pipeline_parallel or 1
     if v == 1:
         return min(pp - stage, num_micro_batches)
     chunks = min(2 * (pp - stage - 1) + (v - 1) * pp + 1, num_micro_batches * v)
@@ -300,8 +304,9 @@ def _stage_activation_bytes(
     dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, layer_kinds: list[bool], stage: int, num_micro: int,
     kernels: KernelSpec,
 ) -> float:
-    tokens = training.micro_batch_size * training.max_seq_len // layout.cp
-    nd = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    tokens = training.micro_batch_size * training.max_seq_len // layout.parallel.context_parallel
+    tp = layout.parallel.tensor_parallel
+    nd = tp if layout.sequence_parallel and tp > 1 else 1
     a = training.param_bytes
     shape = dict(seq_len=training.max_seq_len, activation_bytes=a, kernels=kernels)
     per_layer = [layer_activation_bytes(dims, layout, tokens, k, layout.recompute, **shape) for k in layer_kinds]
@@ -338,13 +343,14 @@ def plan_layout(
     report.dp, report.expert_dp = layout.dp, layout.expert_dp
     num_micro = training.global_batch_size // (training.micro_batch_size * layout.dp)
     report.num_micro_batches = num_micro
-    vocab_shard = pad_vocab(dims.vocab_size, layout.tp) * dims.hidden_size / layout.tp
-    tokens = training.micro_batch_size * training.max_seq_len // layout.cp
+    tp = layout.parallel.tensor_parallel
+    vocab_shard = pad_vocab(dims.vocab_size, tp) * dims.hidden_size / tp
+    tokens = training.micro_batch_size * training.max_seq_len // layout.parallel.context_parallel
     # The log-prob function holds the same buffers with and without grad (forward-only passes included).
     logits_train = logits_forward = logits_bytes(dims, layout, training)
     side = attention_side_bytes(dims, layout, training, kernels, num_micro)
     layer_shape = dict(seq_len=training.max_seq_len, activation_bytes=training.param_bytes, kernels=kernels)
-    dense_shards = layout.dp * layout.cp if layout.distributed_optimizer else 1
+    dense_shards = layout.dp * layout.parallel.context_parallel if layout.distributed_optimizer else 1
     expert_shards = layout.expert_dp if layout.distributed_optimizer else 1
 
     # Rollout engine, per GPU of one engine.
@@ -378,7 +384,7 @@ def plan_layout(
         layer_kinds = list(dims.moe_layers[first_layer : first_layer + n_layers])
         layers = params.per_layer[first_layer : first_layer + n_layers]
         first_layer += n_layers
-        is_first, is_last = stage == 0, stage == layout.pp - 1
+        is_first, is_last = stage == 0, stage == layout.parallel.pipeline_parallel - 1
         dense = expert = 0.0
         for layer in layers:
             d, e = _layer_gpu_params(layer, layout)
@@ -388,7 +394,7 @@ def plan_layout(
             dense += vocab_shard
         if is_last:
             dense += params.final_norm
-            if not dims.tie_word_embeddings or layout.pp > 1:
+            if not dims.tie_word_embeddings or layout.parallel.pipeline_parallel > 1:
                 dense += vocab_shard  # untied head, or the tied embedding's copy on the last stage
         activations = _stage_activation_bytes(dims, layout, training, layer_kinds, stage, num_micro, kernels)
         if is_last:
@@ -417,7 +423,7 @@ def plan_layout(
         critic = {}
         if training.use_critic:
             # Same trunk as the actor; a value head (h -> 1) replaces the output head on the last stage.
-            has_head = is_last and (not dims.tie_word_embeddings or layout.pp > 1)
+            has_head = is_last and (not dims.tie_word_embeddings or layout.parallel.pipeline_parallel > 1)
             critic_params = stage_params - (vocab_shard if has_head else 0) + (dims.hidden_size if is_last else 0)
             critic_optimizer = optimizer * critic_params / stage_params
             critic = {

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from megarl.plan.model_dims import ModelDims, read_model_dims
+from megarl.models.model_dims import ModelDims, read_model_dims
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Registry of supported HF architectures (the config's ``architectures[0]``) -> :class:`Architecture`."""
 
-from megarl.models.architectures.base import Architecture, DecoderDims, MLADims
+from megarl.models.architectures.base import Architecture
 from megarl.models.architectures.deepseek_v3 import DeepseekV3Architecture
 from megarl.models.architectures.llama import LlamaArchitecture, Qwen2Architecture, Qwen3Architecture
 from megarl.models.architectures.qwen3_moe import Qwen3MoeArchitecture
@@ -17,4 +17,4 @@ def architecture_for(name: str) -> Architecture:
     return ARCHITECTURES[name]()
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "DecoderDims", "MLADims", "architecture_for"]
+__all__ = ["ARCHITECTURES", "Architecture", "architecture_for"]

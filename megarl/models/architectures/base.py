@@ -1,8 +1,8 @@
 """What every supported decoder shares: its dimensions, and the GLOBAL megatron parameter table.
 
-An architecture module (llama.py, qwen.py, ...) reads a Hugging Face config into
-:class:`DecoderDims` plus a dict of megatron ``TransformerConfig`` fields. From the dims,
-:func:`build_param_rules` lists every parameter of the whole model (all layers, all experts) as
+An architecture module (llama.py, qwen3_moe.py, ...) checks that a Hugging Face config asks for nothing it
+leaves out, reads it into the shared :class:`~megarl.models.model_dims.ModelDims`, and turns it into megatron
+``TransformerConfig`` fields. From the dims, :func:`build_param_rules` lists every parameter of the whole model (all layers, all experts) as
 :class:`~megarl.models.weight_mapping.ParamRule` s, for either megatron layer spec:
 
 * ``local``: ``input_layernorm`` / ``pre_mlp_layernorm`` are separate modules; MoE experts are a
@@ -18,54 +18,31 @@ Left out: multi-token-prediction layers (skipped by the bridge), biases on dense
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
+from megarl.models.model_dims import ModelDims, read_model_dims
 from megarl.models.weight_mapping import ParamRule, QKVShape
 
 SPECS = ("local", "te")
 EXPERT_LAYOUTS = ("sequential", "grouped")
 
 
-@dataclass(frozen=True)
-class MLADims:
-    q_lora_rank: Optional[int]
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-
-@dataclass(frozen=True)
-class DecoderDims:
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_query_groups: int
-    head_dim: int
-    ffn_hidden_size: int
-    tied_embeddings: bool
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    mla: Optional[MLADims] = None
-    moe_layers: tuple[bool, ...] = ()  # per global layer: True = MoE MLP
-    num_experts: int = 0
-    moe_ffn_hidden_size: Optional[int] = None
-    shared_expert_ffn_hidden_size: Optional[int] = None
-    expert_bias: bool = False
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return bool(self.moe_layers) and self.moe_layers[layer]
-
-
 class Architecture:
-    """One HF ``architectures`` entry. Subclasses fill the three hooks."""
+    """One HF ``architectures`` entry. Subclasses fill the hooks."""
 
     hf_architecture: str = ""
+    model_type: str = ""  # config.json's model_type for this architecture
 
-    def read_dims(self, hf: Any) -> DecoderDims:
-        raise NotImplementedError
+    def read_dims(self, hf: Any) -> ModelDims:
+        """The shared dims, after refusing what this architecture does not build."""
+        found = getattr(hf, "model_type", None)
+        if found != self.model_type:
+            raise ValueError(f"{self.hf_architecture} config has model_type {found!r}, expected {self.model_type!r}")
+        self.refuse_unsupported(hf)
+        return read_model_dims(hf, source=self.hf_architecture)
+
+    def refuse_unsupported(self, hf: Any) -> None:
+        """Raise ``ValueError`` naming a config field whose value this architecture does not build."""
 
     def transformer_config_kwargs(self, hf: Any) -> dict[str, Any]:
         """TransformerConfig fields that follow from the HF config (no parallelism, no dtype)."""
@@ -84,14 +61,7 @@ class Architecture:
         return False
 
 
-def require_field(hf: Any, name: str):
-    value = getattr(hf, name, None)
-    if value is None:
-        raise ValueError(f"HF config for {type(hf).__name__} has no {name!r}")
-    return value
-
-
-def build_param_rules(dims: DecoderDims, *, spec: str, expert_layout: str) -> list[ParamRule]:
+def build_param_rules(dims: ModelDims, *, spec: str, expert_layout: str) -> list[ParamRule]:
     if spec not in SPECS:
         raise ValueError(f"spec must be one of {SPECS}, got {spec!r}")
     if expert_layout not in EXPERT_LAYOUTS:
@@ -105,17 +75,17 @@ def build_param_rules(dims: DecoderDims, *, spec: str, expert_layout: str) -> li
         rules += _attention_rules(dims, layer, spec)
         rules += _mlp_rules(dims, layer, spec, expert_layout)
     rules.append(ParamRule("decoder.final_layernorm.weight", ("model.norm.weight",)))
-    if not dims.tied_embeddings:
+    if not dims.tie_word_embeddings:
         rules.append(ParamRule("output_layer.weight", ("lm_head.weight",), fusion="vocab", tp_kind="vocab",
                                vocab_size=dims.vocab_size))
     return rules
 
 
-def _attention_rules(dims: DecoderDims, layer: int, spec: str) -> list[ParamRule]:
+def _attention_rules(dims: ModelDims, layer: int, spec: str) -> list[ParamRule]:
     m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     if dims.mla is not None:
         return _mla_rules(dims, m, h, spec)
-    qkv = QKVShape(dims.num_heads, dims.num_query_groups, dims.head_dim)
+    qkv = QKVShape(dims.num_heads, dims.num_kv_heads, dims.head_dim)
     norm = "self_attention.linear_qkv.layer_norm_weight" if spec == "te" else "input_layernorm.weight"
     attn = h + "self_attn."
     rules = [
@@ -135,7 +105,7 @@ def _attention_rules(dims: DecoderDims, layer: int, spec: str) -> list[ParamRule
     return rules
 
 
-def _mla_rules(dims: DecoderDims, m: str, h: str, spec: str) -> list[ParamRule]:
+def _mla_rules(dims: ModelDims, m: str, h: str, spec: str) -> list[ParamRule]:
     attn, sa = h + "self_attn.", m + "self_attention."
     # The local spec builds the down-projections as ColumnParallelLinear (split, then gathered);
     # TE builds them as duplicated TELinear, so every TP rank holds all of it.
@@ -169,7 +139,7 @@ def _gated_mlp_rules(m_prefix: str, h_prefix: str, *, is_expert: bool = False,
     ]
 
 
-def _mlp_rules(dims: DecoderDims, layer: int, spec: str, expert_layout: str) -> list[ParamRule]:
+def _mlp_rules(dims: ModelDims, layer: int, spec: str, expert_layout: str) -> list[ParamRule]:
     m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
     post_norm = (h + "post_attention_layernorm.weight",)
     if not dims.is_moe_layer(layer):
@@ -177,7 +147,7 @@ def _mlp_rules(dims: DecoderDims, layer: int, spec: str, expert_layout: str) -> 
         return [ParamRule(m + norm, post_norm)] + _gated_mlp_rules(m + "mlp.", h + "mlp.")
     rules = [ParamRule(m + "pre_mlp_layernorm.weight", post_norm),
              ParamRule(m + "mlp.router.weight", (h + "mlp.gate.weight",))]
-    if dims.expert_bias:
+    if dims.moe.has_expert_bias:
         rules.append(ParamRule(m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",)))
     for e in range(dims.num_experts):
         hf_expert = f"{h}mlp.experts.{e}."
@@ -186,6 +156,6 @@ def _mlp_rules(dims: DecoderDims, layer: int, spec: str, expert_layout: str) -> 
                                       fc1=f"linear_fc1.weight{e}", fc2=f"linear_fc2.weight{e}")
         else:
             rules += _gated_mlp_rules(f"{m}mlp.experts.local_experts.{e}.", hf_expert, is_expert=True)
-    if dims.shared_expert_ffn_hidden_size:
+    if dims.moe.shared_expert_intermediate_size:
         rules += _gated_mlp_rules(m + "mlp.shared_experts.", h + "mlp.shared_experts.")
     return rules

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from megarl.models.architectures.base import Architecture, DecoderDims, MLADims, require_field
+from megarl.models.architectures.base import Architecture
 from megarl.models.architectures.llama import check_silu
 from megarl.models.architectures.qwen3_moe import moe_router_kwargs
 from megarl.models.hf_config import read_rope
@@ -24,6 +24,7 @@ from megarl.models.hf_config import read_rope
 
 class DeepseekV3Architecture(Architecture):
     hf_architecture = "DeepseekV3ForCausalLM"
+    model_type = "deepseek_v3"
 
     @property
     def uses_mla(self) -> bool:
@@ -33,35 +34,17 @@ class DeepseekV3Architecture(Architecture):
     def has_moe(self) -> bool:
         return True
 
-    def read_dims(self, hf: Any) -> DecoderDims:
+    def refuse_unsupported(self, hf: Any) -> None:
         if getattr(hf, "attention_bias", False):
             raise ValueError("DeepSeek-V3 with attention_bias=True is not supported")
-        num_layers = require_field(hf, "num_hidden_layers")
-        first_dense = getattr(hf, "first_k_dense_replace", 0) or 0
-        freq = getattr(hf, "moe_layer_freq", 1) or 1
-        heads = require_field(hf, "num_attention_heads")
-        n_shared = getattr(hf, "n_shared_experts", 0) or 0
-        moe_ffn = require_field(hf, "moe_intermediate_size")
-        return DecoderDims(
-            num_layers=num_layers, hidden_size=require_field(hf, "hidden_size"),
-            vocab_size=require_field(hf, "vocab_size"), num_heads=heads, num_query_groups=heads,
-            head_dim=require_field(hf, "v_head_dim"), ffn_hidden_size=require_field(hf, "intermediate_size"),
-            tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)), qk_norm=True,
-            mla=MLADims(q_lora_rank=getattr(hf, "q_lora_rank", None), kv_lora_rank=require_field(hf, "kv_lora_rank"),
-                        qk_nope_head_dim=require_field(hf, "qk_nope_head_dim"),
-                        qk_rope_head_dim=require_field(hf, "qk_rope_head_dim"), v_head_dim=require_field(hf, "v_head_dim")),
-            moe_layers=tuple(i >= first_dense and i % freq == 0 for i in range(num_layers)),
-            num_experts=require_field(hf, "n_routed_experts"), moe_ffn_hidden_size=moe_ffn,
-            shared_expert_ffn_hidden_size=n_shared * moe_ffn if n_shared else None, expert_bias=True,
-        )
+        method = getattr(hf, "topk_method", "noaux_tc")
+        if method != "noaux_tc":
+            raise ValueError(f"topk_method={method!r} is not supported (only 'noaux_tc')")
 
     def transformer_config_kwargs(self, hf: Any) -> dict[str, Any]:
         check_silu(hf)
         dims = self.read_dims(hf)
-        topk = require_field(hf, "num_experts_per_tok")
-        method = getattr(hf, "topk_method", "noaux_tc")
-        if method != "noaux_tc":
-            raise ValueError(f"topk_method={method!r} is not supported (only 'noaux_tc')")
+        topk = dims.moe.experts_per_token
         if not getattr(hf, "norm_topk_prob", True) and topk > 1:
             raise ValueError("norm_topk_prob=False is not supported: megatron's sigmoid router always "
                              "renormalises the top-k scores")
@@ -71,7 +54,7 @@ class DeepseekV3Architecture(Architecture):
                              "groups by their top-2 scores, megatron by their top (topk // topk_group)")
         kwargs: dict[str, Any] = dict(
             num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_heads,
-            num_query_groups=dims.num_heads, ffn_hidden_size=dims.ffn_hidden_size, kv_channels=dims.mla.v_head_dim,
+            num_query_groups=dims.num_kv_heads, ffn_hidden_size=dims.intermediate_size, kv_channels=dims.mla.v_head_dim,
             normalization="RMSNorm", layernorm_epsilon=getattr(hf, "rms_norm_eps", 1e-6),
             gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
             qk_layernorm=True,
@@ -83,11 +66,10 @@ class DeepseekV3Architecture(Architecture):
             moe_router_topk_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
             moe_router_num_groups=n_group if n_group > 1 else None,
             moe_router_group_topk=topk_group if n_group > 1 else None,
-            moe_shared_expert_intermediate_size=dims.shared_expert_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=dims.moe.shared_expert_intermediate_size or None,
             moe_shared_expert_overlap=False,
         )
-        kwargs.update(moe_router_kwargs(num_experts=dims.num_experts, topk=topk, moe_ffn=dims.moe_ffn_hidden_size,
-                                        moe_layers=dims.moe_layers))
+        kwargs.update(moe_router_kwargs(dims))
         kwargs.update(self._rope_kwargs(hf))
         return kwargs
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from megarl.models.architectures.base import Architecture, DecoderDims, require_field
+from megarl.models.architectures.base import Architecture
 from megarl.models.hf_config import read_rope
+from megarl.models.model_dims import ModelDims
 
 _MCORE_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -24,16 +25,11 @@ def check_silu(hf: Any) -> None:
         raise ValueError(f"hidden_act={act!r} is not supported (only SwiGLU 'silu')")
 
 
-def head_dim_of(hf: Any) -> int:
-    head_dim = getattr(hf, "head_dim", None)
-    return head_dim or require_field(hf, "hidden_size") // require_field(hf, "num_attention_heads")
-
-
-def dense_transformer_kwargs(hf: Any, dims: DecoderDims) -> dict[str, Any]:
+def dense_transformer_kwargs(hf: Any, dims: ModelDims) -> dict[str, Any]:
     check_silu(hf)
     return dict(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_attention_heads=dims.num_heads,
-        num_query_groups=dims.num_query_groups, kv_channels=dims.head_dim, ffn_hidden_size=dims.ffn_hidden_size,
+        num_query_groups=dims.num_kv_heads, kv_channels=dims.head_dim, ffn_hidden_size=dims.intermediate_size,
         normalization="RMSNorm", layernorm_epsilon=getattr(hf, "rms_norm_eps", 1e-6),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=dims.qkv_bias,
         qk_layernorm=dims.qk_norm,
@@ -58,25 +54,16 @@ def rope_model_kwargs(hf: Any) -> dict[str, Any]:
 
 class LlamaArchitecture(Architecture):
     hf_architecture = "LlamaForCausalLM"
-    qkv_bias = False
-    qk_norm = False
+    model_type = "llama"
+    has_qkv_bias = False
 
-    def read_dims(self, hf: Any) -> DecoderDims:
-        if getattr(hf, "attention_bias", False) and not self.qkv_bias:
+    def refuse_unsupported(self, hf: Any) -> None:
+        if getattr(hf, "attention_bias", False) and not self.has_qkv_bias:
             raise ValueError("attention_bias=True (biases on q/k/v and o_proj) is not supported")
         if getattr(hf, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         if getattr(hf, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
-        heads = require_field(hf, "num_attention_heads")
-        return DecoderDims(
-            num_layers=require_field(hf, "num_hidden_layers"), hidden_size=require_field(hf, "hidden_size"),
-            vocab_size=require_field(hf, "vocab_size"), num_heads=heads,
-            num_query_groups=getattr(hf, "num_key_value_heads", None) or heads, head_dim=head_dim_of(hf),
-            ffn_hidden_size=require_field(hf, "intermediate_size"),
-            tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=self.qkv_bias, qk_norm=self.qk_norm,
-        )
 
     def transformer_config_kwargs(self, hf: Any) -> dict[str, Any]:
         return dense_transformer_kwargs(hf, self.read_dims(hf))
@@ -87,14 +74,15 @@ class LlamaArchitecture(Architecture):
 
 class Qwen2Architecture(LlamaArchitecture):
     hf_architecture = "Qwen2ForCausalLM"
-    qkv_bias = True
+    model_type = "qwen2"
+    has_qkv_bias = True  # in every Qwen2 checkpoint, with no flag: the dims read it from model_type
 
 
 class Qwen3Architecture(LlamaArchitecture):
     hf_architecture = "Qwen3ForCausalLM"
-    qk_norm = True
+    model_type = "qwen3"
 
-    def read_dims(self, hf: Any) -> DecoderDims:
+    def refuse_unsupported(self, hf: Any) -> None:
         if getattr(hf, "attention_bias", False):
             raise ValueError("Qwen3 with attention_bias=True is not supported")
-        return super().read_dims(hf)
+        super().refuse_unsupported(hf)

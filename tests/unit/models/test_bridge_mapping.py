@@ -14,6 +14,7 @@ import torch
 
 from megarl.models.bridge import ModelBridge
 from megarl.models.hf_checkpoint import HFCheckpointReader, check_checkpoint_names
+from megarl.models.parallel_layout import ParallelLayout
 from megarl.models.tiny import TINY_ARCHS, save_tiny_hf_checkpoint, tiny_hf_config, tiny_hf_config_dict
 from megarl.models.weight_mapping import ParamRule, QKVShape, fuse_qkv, split_qkv
 
@@ -167,12 +168,13 @@ def test_te_spec_names_match_the_te_module_tree(arch):
     assert bridge.expert_layout == "grouped"
     d = bridge.dims
     expected = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
-    if not d.tied_embeddings:
+    if not d.tie_word_embeddings:
         expected.add("output_layer.weight")
     for layer in range(d.num_layers):
         expected |= {f"decoder.layers.{layer}.{n}" for n in _te_layer_tree(
             moe=d.is_moe_layer(layer), mla=d.mla is not None, qk_norm=d.qk_norm, qkv_bias=d.qkv_bias,
-            shared=bool(d.shared_expert_ffn_hidden_size), expert_bias=d.expert_bias, num_experts=d.num_experts)}
+            shared=bool(d.moe and d.moe.shared_expert_intermediate_size),
+            expert_bias=bool(d.moe and d.moe.has_expert_bias), num_experts=d.num_experts)}
     assert set(bridge.iter_global_mcore_names()) == expected
 
 
@@ -295,11 +297,34 @@ def test_deepseek_mtp_layers_are_skipped(caplog):
 def test_fused_kernels_follow_cuda_and_every_architecture_accepts_them(arch):
     """What a GPU worker builds (megatron's fused SwiGLU + bias-dropout-add) must pass megatron's own config
     checks for every architecture; on this GPU-less machine the default leaves them off."""
-    from megarl.engines.megatron.parallel import ParallelLayout
-
     bridge = ModelBridge.from_hf_config(tiny_hf_config(arch), spec="local")
     fused = bridge.transformer_config(layout=ParallelLayout(), fused_kernels=True)
     assert fused.bias_activation_fusion and fused.bias_dropout_fusion
     default = bridge.transformer_config(layout=ParallelLayout())
     assert default.bias_activation_fusion is torch.cuda.is_available()
     assert not default.apply_rope_fusion and not default.masked_softmax_fusion  # need TE/apex
+
+
+def test_the_run_configs_layout_reaches_megatrons_config_uneven_pipeline_included():
+    """One layout from the run config: the engines' process groups, the bridge's TransformerConfig and the planner
+    read the same ParallelLayout (DeepSeek-V3's uneven split: the dense layer alone on the first stage)."""
+    from megarl.config.schema import MegatronConfig
+
+    megatron = MegatronConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                              expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                              num_layers_in_first_pipeline_stage=1)
+    layout = ParallelLayout.from_megatron_config(megatron)
+    assert (layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel) == (2, 2, 2)
+    assert layout.effective_expert_tensor_parallel == 1 and layout.first_stage_layers == 1
+    assert layout.last_stage_layers is None and ParallelLayout(tensor_parallel=4).effective_expert_tensor_parallel == 4
+    config = ModelBridge.from_hf_config(tiny_hf_config("deepseek_v3"), spec="local").transformer_config(layout=layout)
+    assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (2, 2)
+    assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (2, 1)
+    assert config.num_layers_in_first_pipeline_stage == 1 and config.num_layers_in_last_pipeline_stage is None
+
+
+def test_an_architecture_refuses_a_config_of_another_model_type():
+    data = tiny_hf_config_dict("llama")
+    data["model_type"] = "qwen2"
+    with pytest.raises(ValueError, match="LlamaForCausalLM config has model_type 'qwen2', expected 'llama'"):
+        ModelBridge.from_hf_config(data, spec="local")

@@ -8,7 +8,7 @@ import pytest
 from megarl.models.bridge import ModelBridge
 from megarl.models.hf_config import ConfigFields, config_field, load_hf_config
 from megarl.models.tiny import TINY_ARCHS, tiny_hf_config
-from megarl.plan.model_dims import read_model_dims
+from megarl.models.model_dims import read_model_dims
 
 
 def saved_config_json(arch: str) -> dict:
@@ -25,6 +25,15 @@ def test_the_bridge_plans_the_same_parameters_from_config_json_as_from_transform
     names = list(through_transformers.iter_global_mcore_names())
     assert list(from_fields.iter_global_mcore_names()) == names
     assert [from_fields.hf_names_for(n) for n in names] == [through_transformers.hf_names_for(n) for n in names]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_the_bridge_and_the_planner_read_one_model(arch):
+    """The planner reads config.json as a dict, the bridge through transformers: the same ModelDims."""
+    data = saved_config_json(arch)
+    bridge = ModelBridge.from_hf_config(load_hf_config(dict(data)), spec="local")
+    assert bridge.dims == read_model_dims(data)
+    assert bridge.dims.num_experts == (data.get("n_routed_experts") or data.get("num_local_experts") or 0)
 
 
 def test_a_renamed_field_is_found_under_either_name():

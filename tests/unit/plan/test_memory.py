@@ -1,10 +1,12 @@
 """Memory plan: hand-computed components, the 671B layouts public recipes use, and over-budget messages."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from megarl.models.parallel_layout import ParallelLayout
 from megarl.plan import LayoutSpec, TrainingSpec, count_parameters, layer_activation_bytes, plan_layout, read_model_dims
 from megarl.plan.memory import GIB, rollout_kv_bytes_per_token
 
@@ -40,23 +42,26 @@ def test_llama_8b_layer_activation_by_hand():
     mlp = 2 * T * (2 * h + 3 * f)
     assert layer_activation_bytes(dims, LayoutSpec(world_size=1), T, False, "none") == attention + mlp
     # tp=4 with sequence parallel divides every term by 4 (8 kv heads split 2 per rank).
-    sp = layer_activation_bytes(dims, LayoutSpec(world_size=4, tp=4), T, False, "none")
+    tp4 = LayoutSpec(world_size=4, parallel=ParallelLayout(tensor_parallel=4))
+    sp = layer_activation_bytes(dims, tp4, T, False, "none")
     assert sp == pytest.approx((attention + mlp) / 4)
 
 
 def test_pipeline_first_stage_holds_pp_micro_batches():
     config, train = load("llama3_1_8b"), TrainingSpec(global_batch_size=64, max_seq_len=2048)
     dims = read_model_dims(config)
-    per_layer = layer_activation_bytes(dims, LayoutSpec(world_size=4, pp=4), 2048, False, "none")
-    report = plan_layout(config, LayoutSpec(world_size=4, pp=4), train, 80)
+    pp4 = LayoutSpec(world_size=4, parallel=ParallelLayout(pipeline_parallel=4))
+    per_layer = layer_activation_bytes(dims, pp4, 2048, False, "none")
+    report = plan_layout(config, pp4, train, 80)
     stage0 = [p for p in report.phases if p.phase == "actor train"][0]
     # Worst stage is 0 (4 in flight x 8 layers) or 3 (1 x 8 layers + logits); 0 wins for this model.
     assert stage0.stage == 0
     assert stage0.components["actor activations"] == pytest.approx(4 * 8 * per_layer)
     # Interleaved, vpp=2 on stage 0: 2*(pp-1) + (vpp-1)*pp + 1 = 11 chunks of half a stage.
-    report = plan_layout(config, LayoutSpec(world_size=4, pp=4, vpp=2), train, 80)
+    interleaved = LayoutSpec(world_size=4, parallel=ParallelLayout(pipeline_parallel=4, virtual_pipeline_parallel=2))
+    report = plan_layout(config, interleaved, train, 80)
     assert phase(report, "actor train").components["actor activations"] == pytest.approx(11 / 2 * 8 * per_layer)
-    full = plan_layout(config, LayoutSpec(world_size=4, pp=4, recompute="full"), train, 80)
+    full = plan_layout(config, replace(pp4, recompute="full"), train, 80)
     # Recompute shrinks stage 0 so the last stage (1 micro-batch in flight, plus logits) becomes the worst:
     # layer inputs of 8 layers + one layer's working set; the logits apart: bf16 model logits (2 B) and the
     # log-prob function's three fp32 buffers (12 B) per (token, vocab) entry of one micro-batch.
@@ -76,14 +81,16 @@ def test_kv_cache_bytes_per_token():
 
 
 def test_qwen_7b_on_one_node_fits():
-    report = plan_layout(load("qwen2_5_7b_instruct"), LayoutSpec(world_size=8, tp=2, rollout_tp=2),
+    layout = LayoutSpec(world_size=8, parallel=ParallelLayout(tensor_parallel=2), rollout_tp=2)
+    report = plan_layout(load("qwen2_5_7b_instruct"), layout,
                          TrainingSpec(global_batch_size=256, micro_batch_size=2, max_seq_len=4096), 80)
     assert report.fits, report.table()
     assert "FITS" in report.table()
 
 
 def test_llama_70b_on_one_node_is_over_with_amount():
-    report = plan_layout(load("llama3_1_70b"), LayoutSpec(world_size=8, tp=8, rollout_tp=8),
+    layout = LayoutSpec(world_size=8, parallel=ParallelLayout(tensor_parallel=8), rollout_tp=8)
+    report = plan_layout(load("llama3_1_70b"), layout,
                          TrainingSpec(global_batch_size=64, max_seq_len=4096), 80)
     assert not report.fits
     train = phase(report, "actor train")
@@ -95,8 +102,9 @@ def test_llama_70b_on_one_node_is_over_with_amount():
 
 def test_deepseek_v3_public_layout_fits_on_1024_gpus():
     # Megatron-style DeepSeek-V3 recipe: 128 nodes x 8 H800 (80 GB), TP2 PP16 EP64 ETP1, 3+4*14+2 layers.
-    layout = LayoutSpec(world_size=1024, tp=2, pp=16, ep=64, etp=1, first_stage_layers=3, last_stage_layers=2,
-                        recompute="full", rollout_tp=32)
+    parallel = ParallelLayout(tensor_parallel=2, pipeline_parallel=16, expert_parallel=64, expert_tensor_parallel=1,
+                              first_stage_layers=3, last_stage_layers=2)
+    layout = LayoutSpec(world_size=1024, parallel=parallel, recompute="full", rollout_tp=32)
     training = TrainingSpec(global_batch_size=512, max_seq_len=8192, rollout_weight_bytes=1)
     report = plan_layout(load("deepseek_v3"), layout, training, 80)
     assert report.fits, report.table()
@@ -105,7 +113,9 @@ def test_deepseek_v3_public_layout_fits_on_1024_gpus():
 
 
 def test_deepseek_v3_on_64_h200_is_rejected():
-    layout = LayoutSpec(world_size=64, tp=8, pp=8, ep=8, etp=1, last_stage_layers=5, recompute="full", rollout_tp=8)
+    parallel = ParallelLayout(tensor_parallel=8, pipeline_parallel=8, expert_parallel=8, expert_tensor_parallel=1,
+                              last_stage_layers=5)
+    layout = LayoutSpec(world_size=64, parallel=parallel, recompute="full", rollout_tp=8)
     report = plan_layout(load("deepseek_v3"), layout, TrainingSpec(global_batch_size=64, max_seq_len=4096), 141)
     assert not report.fits
     assert any("over by" in e and "GPU has 141.00 GiB" in e for e in report.errors), report.errors
@@ -113,13 +123,14 @@ def test_deepseek_v3_on_64_h200_is_rejected():
 
 
 def test_colocation_without_offload_counts_training_state_during_rollout():
-    config, layout = load("qwen2_5_7b_instruct"), LayoutSpec(world_size=8, tp=2, rollout_tp=2)
+    config = load("qwen2_5_7b_instruct")
+    layout = LayoutSpec(world_size=8, parallel=ParallelLayout(tensor_parallel=2), rollout_tp=2)
     offloaded = plan_layout(config, layout, TrainingSpec(global_batch_size=64), 141)
     resident = plan_layout(config, layout, TrainingSpec(global_batch_size=64, offload_train_state=False), 141)
     state = sum(v for k, v in phase(resident, "actor train").components.items() if k.startswith("actor ")
                 and "activations" not in k and "logits" not in k) + phase(resident, "actor train").components["reference params"]
     assert phase(resident, "rollout").total - phase(offloaded, "rollout").total == pytest.approx(state)
-    separate = plan_layout(config, LayoutSpec(world_size=8, tp=2, rollout_tp=2, placement="separate", rollout_gpus=4),
+    separate = plan_layout(config, replace(layout, placement="separate", rollout_gpus=4),
                            TrainingSpec(global_batch_size=64), 80)
     assert [p.phase for p in separate.phases][0] == "rollout (rollout GPUs)"
     assert "rollout" not in [p.phase for p in separate.phases]
@@ -135,6 +146,7 @@ def test_critic_adds_a_training_phase():
 
 
 def test_rollout_weights_larger_than_gpu_are_rejected():
-    report = plan_layout(load("llama3_1_70b"), LayoutSpec(world_size=8, tp=8, rollout_tp=1),
+    layout = LayoutSpec(world_size=8, parallel=ParallelLayout(tensor_parallel=8), rollout_tp=1)
+    report = plan_layout(load("llama3_1_70b"), layout,
                          TrainingSpec(global_batch_size=64), 80)
     assert any("rollout engine" in e and "raise rollout_tp" in e for e in report.errors)

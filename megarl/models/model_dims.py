@@ -1,9 +1,15 @@
-"""Read the architecture numbers the planner needs out of a Hugging Face ``config.json`` dict.
+"""The architecture numbers of a Hugging Face decoder, read once from its config: one :class:`ModelDims`
+for the bridge (parameter names and shapes, megatron's ``TransformerConfig``), the engines and the planner
+(parameter count, memory).
 
-Covers the decoder families megarl plans for: Llama / Qwen2 / Qwen3 / Mistral dense GQA models,
-Qwen3-MoE, and DeepSeek-V2/V3 (MLA attention, routed + shared experts, dense first layers, MTP).
-Leaves out anything the parameter and memory arithmetic does not use (rope scaling, eps, token ids).
-An unknown ``model_type`` or a missing key raises ``ValueError`` naming it.
+Covers the decoder families megarl builds and plans for: Llama / Qwen2 / Qwen3 / Mistral dense GQA models,
+Qwen3-MoE, and DeepSeek-V2/V3 (MLA attention, routed + shared experts, dense first layers, MTP). Leaves out
+what neither the parameter table nor the arithmetic uses (rope scaling, eps, token ids: the architecture
+modules read those where they build megatron's config).
+
+The config may be a dict loaded from config.json or an object with attributes (a transformers config, or
+:class:`~megarl.models.hf_config.ConfigFields`); an absent or ``None`` field takes the same default either way.
+An unknown ``model_type`` or a missing required field raises ``ValueError`` naming it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from megarl.models.hf_config import config_field
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 QWEN_MOE_MODEL_TYPES = ("qwen3_moe",)
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+KNOWN_MODEL_TYPES = DENSE_MODEL_TYPES + QWEN_MOE_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,8 @@ class ModelDims:
     hidden_size: int
     num_layers: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    num_kv_heads: int  # megatron's num_query_groups
+    head_dim: int  # MLA: the q/k head (nope + rope); the value head is mla.v_head_dim
     intermediate_size: int  # dense MLP width (dense layers of MoE models included)
     vocab_size: int
     tie_word_embeddings: bool
@@ -58,37 +65,46 @@ class ModelDims:
     mla: MLADims | None
     mtp_layers: int  # DeepSeek multi-token-prediction modules stored after the decoder layers
 
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe is not None else 0
 
-def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    value = config_field(cfg, key)
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layers[layer]
+
+
+def _field(hf: Any, name: str, default: Any = None) -> Any:
+    if isinstance(hf, Mapping):
+        return config_field(hf, name, default)
+    value = getattr(hf, name, None)
+    return default if value is None else value
+
+
+def _positive_int(hf: Any, key: str, where: str) -> int:
+    value = _field(hf, key)
     if value is None:
-        raise ValueError(f"{where}: HF config has no '{key}' (model_type={cfg.get('model_type')!r})")
-    return value
-
-
-def _positive_int(cfg: Mapping[str, Any], key: str, where: str) -> int:
-    value = _require(cfg, key, where)
+        raise ValueError(f"{where}: HF config has no '{key}' (model_type={_field(hf, 'model_type')!r})")
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{where}: HF config '{key}' must be a positive integer, got {value!r}")
     return value
 
 
-def read_model_dims(hf_config: Mapping[str, Any], *, source: str = "hf_config") -> ModelDims:
-    """Parse ``hf_config`` (a loaded config.json) into :class:`ModelDims`; ``source`` names it in errors."""
-    if not isinstance(hf_config, Mapping):
-        raise ValueError(f"{source}: expected a dict loaded from config.json, got {type(hf_config).__name__}")
-    model_type = hf_config.get("model_type")
-    known = DENSE_MODEL_TYPES + QWEN_MOE_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
-    if model_type not in known:
-        raise ValueError(f"{source}: unsupported model_type {model_type!r}; the planner knows {', '.join(known)}")
+def read_model_dims(hf_config: Any, *, source: str = "hf_config") -> ModelDims:
+    """Parse ``hf_config`` into :class:`ModelDims`; ``source`` names it in errors."""
+    if isinstance(hf_config, (str, bytes, int, float, list, tuple)) or hf_config is None:
+        raise ValueError(f"{source}: expected a config (a dict loaded from config.json or a config object), "
+                         f"got {type(hf_config).__name__}")
+    model_type = _field(hf_config, "model_type")
+    if model_type not in KNOWN_MODEL_TYPES:
+        raise ValueError(f"{source}: unsupported model_type {model_type!r}; megarl knows {', '.join(KNOWN_MODEL_TYPES)}")
 
     hidden = _positive_int(hf_config, "hidden_size", source)
     layers = _positive_int(hf_config, "num_hidden_layers", source)
     heads = _positive_int(hf_config, "num_attention_heads", source)
-    kv_heads = hf_config.get("num_key_value_heads") or heads
+    kv_heads = _field(hf_config, "num_key_value_heads", heads)
     vocab = _positive_int(hf_config, "vocab_size", source)
     intermediate = _positive_int(hf_config, "intermediate_size", source)
-    head_dim = hf_config.get("head_dim") or hidden // heads
+    head_dim = _field(hf_config, "head_dim") or hidden // heads
     if heads % kv_heads != 0:
         raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
 
@@ -96,38 +112,38 @@ def read_model_dims(hf_config: Mapping[str, Any], *, source: str = "hf_config") 
     mla: MLADims | None = None
     moe_layers = tuple(False for _ in range(layers))
     mtp_layers = 0
+    attention_bias = bool(_field(hf_config, "attention_bias", False))
     # Qwen2 always carries q/k/v biases (no flag in its config); Llama/Qwen3 say so with attention_bias.
-    qkv_bias = model_type == "qwen2" or bool(hf_config.get("attention_bias", False))
-    o_bias = model_type != "qwen2" and bool(hf_config.get("attention_bias", False))
-    mlp_bias = bool(hf_config.get("mlp_bias", False))
+    qkv_bias = model_type == "qwen2" or attention_bias
+    o_bias = model_type != "qwen2" and attention_bias
 
     if model_type in QWEN_MOE_MODEL_TYPES:
-        num_experts = _positive_int(hf_config, "num_experts", source)
-        step = hf_config.get("decoder_sparse_step", 1) or 1
-        dense_only = set(hf_config.get("mlp_only_layers") or [])
+        step = _field(hf_config, "decoder_sparse_step", 1)
+        dense_only = set(_field(hf_config, "mlp_only_layers", ()))
         moe_layers = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(layers))
         moe = MoEDims(
-            num_experts=num_experts,
+            num_experts=_positive_int(hf_config, "num_experts", source),
             experts_per_token=_positive_int(hf_config, "num_experts_per_tok", source),
             expert_intermediate_size=_positive_int(hf_config, "moe_intermediate_size", source),
             shared_expert_intermediate_size=0,
             has_expert_bias=False,
         )
     elif model_type in DEEPSEEK_MODEL_TYPES:
-        num_experts = _positive_int(hf_config, "n_routed_experts", source)
-        first_dense = hf_config.get("first_k_dense_replace", 0) or 0
-        freq = hf_config.get("moe_layer_freq", 1) or 1
+        first_dense = _field(hf_config, "first_k_dense_replace", 0)
+        freq = _field(hf_config, "moe_layer_freq", 1)
         moe_layers = tuple(i >= first_dense and i % freq == 0 for i in range(layers))
         expert_width = _positive_int(hf_config, "moe_intermediate_size", source)
+        # DeepSeek-V3 configs may leave topk_method out (transformers' class has none): V3 routes with it.
+        topk_method = _field(hf_config, "topk_method", "noaux_tc" if model_type == "deepseek_v3" else "greedy")
         moe = MoEDims(
-            num_experts=num_experts,
+            num_experts=_positive_int(hf_config, "n_routed_experts", source),
             experts_per_token=_positive_int(hf_config, "num_experts_per_tok", source),
             expert_intermediate_size=expert_width,
-            shared_expert_intermediate_size=(hf_config.get("n_shared_experts") or 0) * expert_width,
-            has_expert_bias=hf_config.get("topk_method") == "noaux_tc",
+            shared_expert_intermediate_size=_field(hf_config, "n_shared_experts", 0) * expert_width,
+            has_expert_bias=topk_method == "noaux_tc",
         )
         mla = MLADims(
-            q_lora_rank=hf_config.get("q_lora_rank"),
+            q_lora_rank=_field(hf_config, "q_lora_rank"),
             kv_lora_rank=_positive_int(hf_config, "kv_lora_rank", source),
             qk_nope_head_dim=_positive_int(hf_config, "qk_nope_head_dim", source),
             qk_rope_head_dim=_positive_int(hf_config, "qk_rope_head_dim", source),
@@ -135,7 +151,7 @@ def read_model_dims(hf_config: Mapping[str, Any], *, source: str = "hf_config") 
         )
         head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         kv_heads = heads  # MLA decompresses a full set of k/v heads from the latent
-        mtp_layers = hf_config.get("num_nextn_predict_layers", 0) or 0
+        mtp_layers = _field(hf_config, "num_nextn_predict_layers", 0)
 
     return ModelDims(
         model_type=model_type,
@@ -146,10 +162,10 @@ def read_model_dims(hf_config: Mapping[str, Any], *, source: str = "hf_config") 
         head_dim=head_dim,
         intermediate_size=intermediate,
         vocab_size=vocab,
-        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(_field(hf_config, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        mlp_bias=mlp_bias,
+        mlp_bias=bool(_field(hf_config, "mlp_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
         moe_layers=moe_layers,
         moe=moe,
