@@ -30,7 +30,7 @@ MODES = ("sync", "one_step_off", "fully_async")
 
 
 def run_mode(mode: str, overrides: list[str]) -> list[dict]:
-    from megarl.config import load_config
+    from megarl.run_config import load_config
     from megarl.trainer.main import run
 
     with tempfile.TemporaryDirectory() as out:

@@ -171,7 +171,7 @@ def main(argv=None) -> dict:
     parser.add_argument("override", nargs="*", help="extra a.b.c=value trainer overrides")
     args = parser.parse_args(argv)
 
-    from megarl.config.loader import load_config
+    from megarl.run_config import load_config
     from megarl.trainer.main import run
 
     hf_cfg = qwen2_config(args.shape)

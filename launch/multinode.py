@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="check the cluster and print placement, then exit")
     args = parser.parse_args(argv)
 
-    from megarl.config.loader import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.run_config import load_config
     from megarl.controller.ray_cluster import init_ray, shutdown_ray
 
     try:

@@ -6,6 +6,7 @@ trainer maps its config onto them. Families are looked up by name through regist
 
 from megarl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    GROUP_ESTIMATORS,
     compute_dr_grpo_advantages,
     compute_gae_advantages,
     compute_grpo_advantages,
@@ -30,6 +31,7 @@ from megarl.algorithms.kl import (
 )
 from megarl.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algorithms.policy_loss import (
+    POLICY_LOSS_ALIASES,
     POLICY_LOSSES,
     compute_gspo_loss,
     compute_ppo_clip_loss,
@@ -41,9 +43,11 @@ from megarl.algorithms.value_loss import compute_value_loss, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "POLICY_LOSS_ALIASES",
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",

@@ -30,10 +30,21 @@ from megarl.algorithms.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+# estimators whose baseline is the other responses to the same prompt: they need several per prompt
+GROUP_ESTIMATORS: set[str] = set()
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    return ADVANTAGE_ESTIMATORS.register(name)
+def register_advantage(name: str, *, uses_groups: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Add an estimator under ``name``; ``uses_groups``: its baseline comes from the prompt's other responses."""
+    add = ADVANTAGE_ESTIMATORS.register(name)
+
+    def add_estimator(fn: AdvantageFn) -> AdvantageFn:
+        fn = add(fn)  # a taken name fails here, before it is marked
+        if uses_groups:
+            GROUP_ESTIMATORS.add(name)
+        return fn
+
+    return add_estimator
 
 
 def get_advantage_estimator(name: str) -> AdvantageFn:
@@ -133,7 +144,7 @@ def compute_gae_advantages(
     return advantages, returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", uses_groups=True)
 def compute_grpo_advantages(
     *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
     norm_by_std=True, baseline_scores=None, eps=1e-6,
@@ -152,7 +163,7 @@ def compute_grpo_advantages(
     return advantages, advantages.clone()
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", uses_groups=True)
 def compute_dr_grpo_advantages(
     *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
     norm_by_std=True, baseline_scores=None, eps=1e-6,
@@ -165,7 +176,7 @@ def compute_dr_grpo_advantages(
     )
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", uses_groups=True)
 def compute_rloo_advantages(
     *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
     norm_by_std=True, baseline_scores=None, eps=1e-6,
@@ -209,7 +220,7 @@ def compute_reinforce_plus_plus_advantages(
     return advantages, returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", uses_groups=True)
 def compute_reinforce_plus_plus_baseline_advantages(
     *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
     norm_by_std=True, baseline_scores=None, eps=1e-6,
@@ -247,7 +258,7 @@ def compute_remax_advantages(
     return advantages, returns
 
 
-@register_advantage("opo")
+@register_advantage("opo", uses_groups=True)
 def compute_opo_advantages(
     *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
     norm_by_std=True, baseline_scores=None, eps=1e-6,

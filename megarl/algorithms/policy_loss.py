@@ -25,6 +25,8 @@ from megarl.algorithms.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+# verl's older names: PPO-clip always takes the dual clip (clip_ratio_c), so dual_clip is PPO-clip
+POLICY_LOSS_ALIASES = {"dual_clip": "ppo_clip"}
 
 # exp() of a log-ratio beyond this is a numerical accident (stale log-probs, a bug), not a signal.
 _MAX_LOG_RATIO = 20.0
@@ -35,7 +37,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    return POLICY_LOSSES.get(name)
+    return POLICY_LOSSES.get(POLICY_LOSS_ALIASES.get(name, name))
 
 
 def _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high):

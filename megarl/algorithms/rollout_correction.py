@@ -96,11 +96,24 @@ def rs_thresholds(options: list[str], threshold) -> dict[str, tuple[Optional[flo
     return bounds
 
 
+def check_rollout_correction_settings(*, rollout_is: Optional[str], rollout_is_threshold: Union[str, float],
+                                      rollout_rs: Optional[str], rollout_rs_threshold) -> None:
+    """``ValueError`` naming the ``algorithm.rollout_correction`` key a run could not correct with (config time)."""
+    if rollout_is is not None:
+        if rollout_is not in IS_LEVELS:
+            raise ValueError(f"algorithm.rollout_correction.rollout_is must be null, 'token' or 'sequence', "
+                             f"got {rollout_is!r}")
+        parse_bounds(rollout_is_threshold, name="algorithm.rollout_correction.rollout_is_threshold")
+    rs_thresholds(rs_options(rollout_rs), rollout_rs_threshold)
+
+
 def compute_rollout_correction(
     *, old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
     rollout_is: Optional[str] = None, rollout_is_threshold: Union[str, float] = 2.0,
     rollout_is_batch_normalize: bool = False, rollout_rs: Optional[str] = None, rollout_rs_threshold=None,
 ) -> RolloutCorrection:
+    check_rollout_correction_settings(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+                                      rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
     mask = response_mask.bool()
     mask_f = mask.double()
     valid_tokens = max(int(mask.sum()), 1)
@@ -138,9 +151,6 @@ def compute_rollout_correction(
 
     weights = None
     if rollout_is is not None:
-        if rollout_is not in IS_LEVELS:
-            raise ValueError(f"algorithm.rollout_correction.rollout_is must be null, 'token' or 'sequence', "
-                             f"got {rollout_is!r}")
         lower, upper = parse_bounds(rollout_is_threshold, name="algorithm.rollout_correction.rollout_is_threshold")
         if rollout_is == "token":
             log_weight = log_ratio

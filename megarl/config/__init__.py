@@ -1,8 +1,9 @@
-"""Typed run configuration: ``MegarlConfig`` (schema), ``load_config`` (YAML + overrides), validation."""
+"""Typed run configuration: ``MegarlConfig`` (schema), ``read_config`` (YAML + overrides, typed), derived
+defaults, the config's own consistency checks. Loading a run's config in full (with the names checked against
+the algorithm registries) is :func:`megarl.run_config.load_config`."""
 
 from megarl.config.errors import ConfigError
-from megarl.config.loader import load_config, save_config, to_dict
+from megarl.config.loader import read_config, save_config, to_dict
 from megarl.config.schema import MegarlConfig
-from megarl.config.validate import validate_config
 
-__all__ = ["ConfigError", "MegarlConfig", "load_config", "save_config", "to_dict", "validate_config"]
+__all__ = ["ConfigError", "MegarlConfig", "read_config", "save_config", "to_dict"]

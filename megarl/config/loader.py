@@ -21,7 +21,6 @@ import yaml
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig
-from megarl.config.validate import validate_config
 
 
 _INTERPOLATION = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
@@ -185,13 +184,9 @@ def _resolve_interpolations(tree: dict) -> dict:
     return resolve(tree, "")
 
 
-def load_config(
-    path: Optional[str | Path] = None,
-    overrides: Iterable[str] = (),
-    *,
-    validate: bool = True,
-) -> MegarlConfig:
-    """Defaults <- YAML file (if given) <- overrides, then type-checked, interpolated and validated."""
+def read_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> MegarlConfig:
+    """Defaults <- YAML file (if given) <- overrides, type-checked and interpolated; not yet filled or validated
+    (:func:`megarl.run_config.load_config` does both)."""
     tree = to_dict(MegarlConfig())
     if path is not None:
         file_values = load_yaml_mapping(path)
@@ -200,10 +195,7 @@ def load_config(
     for text in overrides:
         parts, value = parse_override(text)
         tree = _merge(tree, _nest(parts, value))
-    cfg = _build(MegarlConfig, _resolve_interpolations(tree), "")
-    if validate:
-        validate_config(cfg)
-    return cfg
+    return _build(MegarlConfig, _resolve_interpolations(tree), "")
 
 
 def save_config(cfg: MegarlConfig, path: str | Path) -> None:

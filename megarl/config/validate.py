@@ -1,29 +1,20 @@
 """Cross-field consistency checks for a :class:`MegarlConfig`, each naming the keys involved.
 
-Checks choices (estimator, loss, engine names...), that the batch sizes divide across mini-batches,
-data-parallel ranks and micro-batches, and that the algorithm has what it needs (gae needs a critic,
-GRPO-style estimators need several samples per prompt). :func:`check_config` only reads; the derived defaults
-it checks (critic.enable, clip_ratio_low/high, ...) are filled before, by :mod:`megarl.config.defaults`;
-:func:`validate_config` does both. Hardware fit is the planner's job (:mod:`megarl.plan`).
+Checks fixed choices (engine names, placements, loggers...), that the batch sizes divide across mini-batches,
+data-parallel ranks and micro-batches, and that the algorithm has what it needs (gae needs a critic).
+:func:`check_config` only reads; the derived defaults it checks (critic.enable, clip_ratio_low/high, ...) are
+filled before, by :mod:`megarl.config.defaults`. Leaves out the names that pick from the algorithm registries
+(:mod:`megarl.run_config` checks those against the registries, and runs both) and hardware fit (the planner,
+:mod:`megarl.plan`).
 """
 
 from __future__ import annotations
 
-from megarl.config.defaults import fill_derived_defaults
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig, MegatronConfig
 
-# Kept in step with the registries in megarl.algorithms by tests/config/test_validate.py.
-ADVANTAGE_ESTIMATORS = (
-    "gae", "grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-)
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "opo")
-POLICY_LOSSES = ("ppo_clip", "dual_clip", "gspo")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
-
-def _choice(value, choices, key: str) -> None:
+def check_choice(value, choices, key: str) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, choices))}")
 
@@ -49,8 +40,8 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: st
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "expert_model_parallel_size"):
         _positive(getattr(m, name), f"{prefix}.{name}")
-    _choice(m.params_dtype, ("float32", "bfloat16"), f"{prefix}.params_dtype")
-    _choice(m.recompute_granularity, (None, "selective", "full"), f"{prefix}.recompute_granularity")
+    check_choice(m.params_dtype, ("float32", "bfloat16"), f"{prefix}.params_dtype")
+    check_choice(m.recompute_granularity, (None, "selective", "full"), f"{prefix}.recompute_granularity")
     if m.virtual_pipeline_model_parallel_size is not None and m.pipeline_model_parallel_size < 2:
         raise ConfigError(f"{prefix}.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size >= 2")
     model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
@@ -150,7 +141,7 @@ def _check_model_rewards(cfg: MegarlConfig) -> None:
 
     rm, judge = cfg.reward_model, cfg.reward_model.judge
     if judge.enable:
-        _choice(judge.on_unparsable, ("zero", "fail"), "reward_model.judge.on_unparsable")
+        check_choice(judge.on_unparsable, ("zero", "fail"), "reward_model.judge.on_unparsable")
         _positive(judge.max_tokens, "reward_model.judge.max_tokens")
         if judge.temperature < 0:
             raise ConfigError(f"reward_model.judge.temperature must be >= 0, got {judge.temperature}")
@@ -198,11 +189,11 @@ def _check_model_rewards(cfg: MegarlConfig) -> None:
 def _check_async_training(cfg: MegarlConfig) -> None:
     a = cfg.async_training
     mode = a.mode
-    _choice(mode, ("sync", "one_step_off", "fully_async"), "async_training.mode")
+    check_choice(mode, ("sync", "one_step_off", "fully_async"), "async_training.mode")
     if mode == "sync":
         return
     if mode == "fully_async":
-        _choice(a.stale_policy, ("drop", "reweight"), "async_training.stale_policy")
+        check_choice(a.stale_policy, ("drop", "reweight"), "async_training.stale_policy")
         _positive(a.max_staleness, "async_training.max_staleness")
         _positive(a.trigger_parameter_sync_step, "async_training.trigger_parameter_sync_step")
         _positive(a.partial_rollout_chunk, "async_training.partial_rollout_chunk")
@@ -235,7 +226,7 @@ def _check_multi_turn(cfg: MegarlConfig) -> None:
                           f"e.g. configs/tools/calculator_python.yaml)")
     if m.format != "hermes" and "." not in m.format:
         raise ConfigError(f"{key}.format={m.format!r} is neither 'hermes' nor a module.Class tool-call parser")
-    _choice(m.tool_response_truncate_side, ("left", "right", "middle"), f"{key}.tool_response_truncate_side")
+    check_choice(m.tool_response_truncate_side, ("left", "right", "middle"), f"{key}.tool_response_truncate_side")
     for name in ("max_parallel_calls", "max_tool_response_length", "tool_timeout_s", "tool_workers"):
         _positive(getattr(m, name), f"{key}.{name}")
     for name in ("max_assistant_turns", "max_user_turns", "max_tokens_per_turn"):
@@ -256,29 +247,17 @@ def critic_enabled(cfg: MegarlConfig) -> bool:
     return bool(cfg.critic.enable)
 
 
-def validate_config(cfg: MegarlConfig) -> MegarlConfig:
-    """Fill the derived defaults of ``cfg`` in place, then raise :class:`ConfigError` on its first
-    inconsistency."""
-    check_config(fill_derived_defaults(cfg))
-    return cfg
-
-
 def check_config(cfg: MegarlConfig) -> None:
     """Raise :class:`ConfigError` on the first inconsistency of a config whose derived defaults are filled;
-    ``cfg`` is not changed."""
+    ``cfg`` is not changed. The names it picks from registries are checked against them by
+    :func:`megarl.run_config.check_registered_names`."""
     alg, arr, t, data = cfg.algorithm, cfg.actor_rollout_ref, cfg.trainer, cfg.data
     actor, rollout = arr.actor, arr.rollout
 
-    _choice(alg.adv_estimator, ADVANTAGE_ESTIMATORS, "algorithm.adv_estimator")
-    _choice(alg.kl_penalty, KL_TYPES, "algorithm.kl_penalty")
-    _choice(alg.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
-    _choice(actor.policy_loss, POLICY_LOSSES, "actor_rollout_ref.actor.policy_loss")
-    _choice(actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode")
-    _choice(actor.kl_loss_type, KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
-    _choice(cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode")
-    _choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
-    _choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
-    _choice(cfg.algorithm.filter_groups.metric, ("score",), "algorithm.filter_groups.metric")
+    check_choice(alg.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
+    check_choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
+    check_choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
+    check_choice(cfg.algorithm.filter_groups.metric, ("score",), "algorithm.filter_groups.metric")
     if cfg.algorithm.filter_groups.max_num_gen_batches < 0:
         raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "
                           f"{cfg.algorithm.filter_groups.max_num_gen_batches}")
@@ -291,39 +270,29 @@ def check_config(cfg: MegarlConfig) -> None:
                           f"{data.max_response_length}]")
     if overlong.enable and overlong.penalty_factor < 0:
         raise ConfigError(f"reward_model.overlong_buffer.penalty_factor must be >= 0, got {overlong.penalty_factor}")
-    _choice(rollout.weight_sync_transport, ("broadcast", "object_store"), "actor_rollout_ref.rollout.weight_sync_transport")
-    _choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
-    _choice(data.truncation, ("error", "left", "right"), "data.truncation")
-    _choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")
+    check_choice(rollout.weight_sync_transport, ("broadcast", "object_store"), "actor_rollout_ref.rollout.weight_sync_transport")
+    check_choice(arr.model.layer_spec, ("auto", "local", "te"), "actor_rollout_ref.model.layer_spec")
+    check_choice(data.truncation, ("error", "left", "right"), "data.truncation")
+    check_choice(cfg.reward_model.on_error, ("fail", "zero"), "reward_model.on_error")
     correction = cfg.algorithm.rollout_correction
-    if correction.rollout_is is not None:
-        _choice(correction.rollout_is, ("token", "sequence"), "algorithm.rollout_correction.rollout_is")
     if correction.bypass_mode:
         raise ConfigError("algorithm.rollout_correction.bypass_mode=true (rollout log-probs standing in for "
                           "old_log_probs) is not supported; the decoupled mode (false) is")
     remote = cfg.reward_model.remote
-    if remote.url is not None:
-        if not remote.url.startswith(("http://", "https://")):
-            raise ConfigError(f"reward_model.remote.url must be an http(s) URL, got {remote.url!r}")
-        if cfg.reward_model.custom_function.path:
-            raise ConfigError("reward_model.remote.url and reward_model.custom_function.path both score every "
-                              "sample: set one")
-        for name in ("batch_size", "max_concurrency"):
-            if getattr(remote, name) < 1:
-                raise ConfigError(f"reward_model.remote.{name} must be >= 1, got {getattr(remote, name)}")
-        if remote.timeout_s <= 0 or remote.max_retries < 0 or remote.backoff_s < 0:
-            raise ConfigError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0")
+    if remote.url is not None and cfg.reward_model.custom_function.path:
+        raise ConfigError("reward_model.remote.url and reward_model.custom_function.path both score every "
+                          "sample: set one")
     _check_model_rewards(cfg)
     _check_async_training(cfg)
     _check_multi_turn(cfg)
-    _choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
-    _choice(t.placement, ("colocate", "separate"), "trainer.placement")
-    _choice(t.backend, ("ray", "inprocess"), "trainer.backend")
+    check_choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
+    check_choice(t.placement, ("colocate", "separate"), "trainer.placement")
+    check_choice(t.backend, ("ray", "inprocess"), "trainer.backend")
     if t.backend == "inprocess" and world_size(cfg) != 1:
         raise ConfigError(f"trainer.backend=inprocess runs one rank; trainer.nnodes x trainer.n_gpus_per_node = "
                           f"{world_size(cfg)}")
     for i, name in enumerate(t.logger):
-        _choice(name, ("console", "tensorboard", "jsonl"), f"trainer.logger[{i}]")
+        check_choice(name, ("console", "tensorboard", "jsonl"), f"trainer.logger[{i}]")
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "actor_rollout_ref.rollout.n", "trainer.nnodes", "trainer.n_gpus_per_node"):
         node = cfg
@@ -337,11 +306,6 @@ def check_config(cfg: MegarlConfig) -> None:
 
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
-    if alg.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} compares responses to the same prompt and needs "
-            f"actor_rollout_ref.rollout.n >= 2, got {rollout.n}"
-        )
     if actor.policy_loss != "gspo" and actor.clip_ratio_c is not None and actor.clip_ratio_c <= 1.0:
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c (the dual clip, on by default as in verl) must be "
                           f"> 1, or null to turn it off; got {actor.clip_ratio_c}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.algorithms.policy_loss import POLICY_LOSS_ALIASES
 from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,7 +52,7 @@ def policy_loss_arguments(actor: ActorConfig) -> dict:
     """The policy loss and its clip bounds as verl means them: PPO-clip always takes the dual clip
     (``clip_ratio_c``, 3.0 by default; null turns it off), so ``dual_clip`` is PPO-clip under its older name;
     GSPO clips per sequence and has no dual clip."""
-    name = "ppo_clip" if actor.policy_loss == "dual_clip" else actor.policy_loss
+    name = POLICY_LOSS_ALIASES.get(actor.policy_loss, actor.policy_loss)
     return dict(policy_loss_name=name, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
                 clip_ratio_c=None if name == "gspo" else actor.clip_ratio_c)
 

@@ -154,7 +154,8 @@ def _apply_flags(args, layout: LayoutSpec, training: TrainingSpec) -> tuple[Layo
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.config:
-        from megarl.config.loader import ConfigError, load_config
+        from megarl.config import ConfigError
+        from megarl.run_config import load_config
 
         try:
             run_config = load_config(args.config, args.overrides)

@@ -45,17 +45,24 @@ class _Retryable(Exception):
     pass
 
 
+def check_remote_settings(*, url: str, batch_size: int, max_concurrency: int, timeout_s: float, max_retries: int,
+                          backoff_s: float) -> None:
+    """``ValueError`` naming the ``reward_model.remote`` key a client could not work with."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"reward_model.remote.url must be an http(s) URL, got {url!r}")
+    for name, value in (("batch_size", batch_size), ("max_concurrency", max_concurrency)):
+        if value < 1:
+            raise ValueError(f"reward_model.remote.{name} must be >= 1, got {value}")
+    if timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
+        raise ValueError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0 "
+                         f"(got {timeout_s}, {max_retries}, {backoff_s})")
+
+
 class RemoteRewardClient:
     def __init__(self, url: str, *, batch_size: int = 64, max_concurrency: int = 8, timeout_s: float = 30.0,
                  max_retries: int = 3, backoff_s: float = 0.5, headers: Optional[Mapping[str, str]] = None):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward_model.remote.url must be an http(s) URL, got {url!r}")
-        for name, value in (("batch_size", batch_size), ("max_concurrency", max_concurrency)):
-            if value < 1:
-                raise ValueError(f"reward_model.remote.{name} must be >= 1, got {value}")
-        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
-            raise ValueError("reward_model.remote: timeout_s must be > 0, max_retries and backoff_s >= 0 "
-                             f"(got {timeout_s}, {max_retries}, {backoff_s})")
+        check_remote_settings(url=url, batch_size=batch_size, max_concurrency=max_concurrency, timeout_s=timeout_s,
+                              max_retries=max_retries, backoff_s=backoff_s)
         self.url, self.batch_size, self.max_concurrency = url, batch_size, max_concurrency
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.headers = {"Content-Type": "application/json", **dict(headers or {})}

@@ -15,7 +15,8 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megarl.config import MegarlConfig, load_config, save_config
+from megarl.config import MegarlConfig, save_config
+from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
 from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer

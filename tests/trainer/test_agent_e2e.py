@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
+from megarl.run_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

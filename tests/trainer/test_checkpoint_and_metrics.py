@@ -94,7 +94,7 @@ def small_disk(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_a_full_disk_is_said_in_words_and_loses_nothing(small_disk):
-    from megarl.config import load_config
+    from megarl.run_config import load_config
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.main import run
 

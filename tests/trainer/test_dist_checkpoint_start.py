@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.run_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TP2 = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.run_config import load_config
 from megarl.trainer.metrics import read_jsonl_metrics
 
 REPO = Path(__file__).resolve().parents[2]

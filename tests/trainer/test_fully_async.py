@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megarl.config import load_config
+from megarl.run_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 FULLY_ASYNC = ["trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megarl.batch import RolloutBatch
-from megarl.config import load_config
+from megarl.run_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 RM = ["reward_model.enable=true", "reward_model.model.path=embedded:tiny-qwen2-rm"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import load_config
+from megarl.run_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SEPARATE = ["trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",

@@ -129,7 +129,8 @@ def test_policy_loss_weights_each_tokens_loss(name):
 
 
 def test_config_keys_are_checked():
-    from megarl.config import ConfigError, load_config
+    from megarl.config import ConfigError
+    from megarl.run_config import load_config
 
     with pytest.raises(ConfigError, match="bypass_mode"):
         load_config(overrides=["algorithm.rollout_correction.bypass_mode=true"])
@@ -137,3 +138,12 @@ def test_config_keys_are_checked():
         load_config(overrides=["algorithm.rollout_correction.rollout_is=seq"])
     cfg = load_config(overrides=["algorithm.rollout_correction.rollout_is_threshold=0.5_5.0"])
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == "0.5_5.0"
+    # what compute_rollout_correction would refuse at the first update is refused when the config is loaded
+    with pytest.raises(ConfigError, match=r"rollout_rs: unknown option\(s\) \['token_k9'\]"):
+        load_config(overrides=["algorithm.rollout_correction.rollout_rs=token_k9",
+                               "algorithm.rollout_correction.rollout_rs_threshold=2.0"])
+    with pytest.raises(ConfigError, match="rollout_rs_threshold is required with rollout_rs"):
+        load_config(overrides=["algorithm.rollout_correction.rollout_rs=token_k1"])
+    with pytest.raises(ConfigError, match="rollout_is_threshold: expected a number or 'lower_upper', got 'two'"):
+        load_config(overrides=["algorithm.rollout_correction.rollout_is=token",
+                               "algorithm.rollout_correction.rollout_is_threshold=two"])

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, MegarlConfig, load_config, save_config
-from megarl.config.validate import ADVANTAGE_ESTIMATORS
+from megarl.config import ConfigError, MegarlConfig, save_config
+from megarl.run_config import load_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -122,14 +122,30 @@ def test_yaml_file_errors_name_file_and_key(tmp_path):
         load_config(tmp_path / "list.yaml")
 
 
-def test_estimator_and_loss_choices_match_algorithm_registries():
-    from megarl.algorithms.advantages import ADVANTAGE_ESTIMATORS as REGISTERED
-    from megarl.algorithms.policy_loss import POLICY_LOSSES as REGISTERED_LOSSES
-    from megarl.config.validate import POLICY_LOSSES
+def test_names_are_checked_against_the_registries_themselves():
+    """No copy of the registries' names: what they hold is valid, what they do not is named with their list, and
+    an estimator registered later is accepted at once, its needs (several responses per prompt) checked."""
+    from megarl.algorithms import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES,
+                                   register_advantage)
 
-    assert set(ADVANTAGE_ESTIMATORS) == set(REGISTERED.names())
-    # dual_clip is ppo_clip with clip_ratio_c (the worker maps it), the others are registry names.
-    assert set(POLICY_LOSSES) - {"dual_clip"} == set(REGISTERED_LOSSES.names())
+    for name in ADVANTAGE_ESTIMATORS.names():
+        load_config(overrides=[f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=4"])
+    for name in POLICY_LOSSES.names() + ["dual_clip"]:  # dual_clip: verl's older name of ppo_clip
+        load_config(overrides=[f"actor_rollout_ref.actor.policy_loss={name}"])
+    for name in KL_ESTIMATORS.names():
+        load_config(overrides=[f"actor_rollout_ref.actor.kl_loss_type={name}", f"algorithm.kl_penalty={name}"])
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='leave_one_in' is not one of .*grpo"):
+        load_config(overrides=["algorithm.adv_estimator=leave_one_in"])
+
+    name = "test_only_group_mean_baseline"
+    register_advantage(name, uses_groups=True)(lambda **kwargs: None)
+    try:
+        assert load_config(overrides=[f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=2"])
+        with pytest.raises(ConfigError, match=f"adv_estimator={name} compares responses to the same prompt"):
+            load_config(overrides=[f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=1"])
+    finally:  # other tests walk the registry
+        ADVANTAGE_ESTIMATORS._table.pop(name)
+        GROUP_ESTIMATORS.discard(name)
 
 
 def test_ppo_clip_takes_verls_dual_clip_by_default():
@@ -156,9 +172,3 @@ def test_every_shipped_recipe_validates():
         load_config(recipe)
 
 
-def test_kl_choices_match_algorithm_registry():
-    from megarl.algorithms.kl import KL_ESTIMATORS
-    from megarl.config.validate import KL_TYPES
-
-    for name in KL_TYPES:
-        KL_ESTIMATORS.get(name)  # raises for a name the config accepts but the algorithms do not know

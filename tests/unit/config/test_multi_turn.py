@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
 
 REPO = Path(__file__).resolve().parents[3]

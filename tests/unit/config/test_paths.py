@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from megarl.config import load_config
+from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
 
 

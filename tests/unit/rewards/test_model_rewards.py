@@ -6,7 +6,8 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from megarl.batch import RolloutBatch
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.run_config import load_config
 from megarl.data.tokenizer import write_local_tokenizer
 from megarl.rewards.judge import JudgeError, judge_prompt_ids, parse_judgements, question_of
 from megarl.rewards.model_inputs import RewardModelInputs, combine_scores

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.config import ConfigError, load_config
+from megarl.config import ConfigError
+from megarl.run_config import load_config
 from megarl.rewards import RewardError, RewardManager
 from megarl.rewards.remote import RemoteRewardClient
 from tests.reward_service import RewardService, reference_score
