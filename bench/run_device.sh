@@ -34,7 +34,7 @@ step env bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version,clocks
 
 GRPO_DIR=/tmp/megarl_grpo_$MODE
 if [ "$MODE" = smoke ]; then
-  step parity python3 -m pytest tests/gpu tests/engines/megatron/test_cuda_redirect_and_offload_gpu.py -q -s -p no:cacheprovider
+  step parity python3 -m pytest tests/gpu tests/distributed/engines/megatron/test_cuda_redirect_and_offload_gpu.py -q -s -p no:cacheprovider
   step train python3 -m bench.train_throughput --models 0.5b --prompt-len 512 --response-len 1536 --rows 4 \
     --group-size 4 --warmup 1 --iters 1 --hf-attn sdpa,eager --out "$OUT/train_smoke.json"
   step logprob python3 -m bench.logprob_bench --batch 2 --seq 1024 --warmup 1 --iters 2 --out "$OUT/logprob_smoke.json"
@@ -55,8 +55,8 @@ elif [ "$MODE" = pack ]; then
       --out "$OUT/train_packed_$model.json"
   done
 elif [ "$MODE" = validate ]; then  # the CUDA tests with the engine defaults, and a packed GRPO run
-  step gpu_tests timeout 300 python3 -m pytest tests/gpu tests/engines/megatron/test_cuda_redirect_and_offload_gpu.py \
-    tests/models/test_sdpa_attention.py -k "cuda or gpu or parity or packing or offload" -q -s -p no:cacheprovider
+  step gpu_tests timeout 300 python3 -m pytest tests/gpu tests/distributed/engines/megatron/test_cuda_redirect_and_offload_gpu.py \
+    tests/distributed/models/test_sdpa_attention.py -k "cuda or gpu or parity or packing or offload" -q -s -p no:cacheprovider
   step grpo_packed timeout 200 python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=100 \
     actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512 \
@@ -78,7 +78,7 @@ elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
   step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \
     --group-size 8 --warmup 1 --iters 2 --hf-attn sdpa --core-attention sdpa --profile --out "$OUT/train_attn.json"
-  step sdpa_cuda_test timeout 100 python3 -m pytest tests/models/test_sdpa_attention.py -k cuda -q -s -p no:cacheprovider
+  step sdpa_cuda_test timeout 100 python3 -m pytest tests/distributed/models/test_sdpa_attention.py -k cuda -q -s -p no:cacheprovider
 else
   if [ "${RUN_PARITY:-0}" = 1 ]; then
     step parity python3 -m pytest tests/gpu -q -s -p no:cacheprovider

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A real two-node Slurm cluster on this one host, for the Slurm tests (tests/launch/test_slurm_real.py) and CI:
+# A real two-node Slurm cluster on this one host, for the Slurm tests (tests/e2e/launch/test_slurm_real.py) and CI:
 # munge, slurmctld and two slurmd (nodes n1, n2, each with its own port), Debian's slurm-wlm.
 #
 #   bash scripts/slurm_single_host.sh up     # install if missing (apt, needs root), configure, start, wait

@@ -6,7 +6,7 @@ computes the log-probs of the same variable-length batch three ways by switching
 padded rows (SDPA with a boolean mask: the memory-efficient kernel), packed rows, packed rows grouped by a
 token budget. bf16: the packed runs must call ``varlen_attn`` and agree with padded to bf16 accuracy;
 fp32 (no flash kernel: one causal SDPA call per segment) to float accuracy. Skipped without CUDA (the CPU
-equivalents are in tests/engines/megatron/test_packing.py).
+equivalents are in tests/distributed/engines/megatron/test_packing.py).
 """
 
 import pytest

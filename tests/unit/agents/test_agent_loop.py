@@ -1,5 +1,5 @@
 """The agent loop's turns, masks, limits and scheduling, driven by scripted turns (the engines generating
-for real: tests/agents/test_agent_rollout.py). Every expected sequence is written out token by token."""
+for real: tests/distributed/agents/test_agent_rollout.py). Every expected sequence is written out token by token."""
 
 import threading
 import time

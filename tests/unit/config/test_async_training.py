@@ -1,13 +1,11 @@
 """async_training config checks name the key and what it needs."""
 
-from pathlib import Path
-
 import pytest
 
 from megarl.config import ConfigError
 from megarl.run_config import load_config
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[3]
 SEPARATE = ["trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",
             "async_training.mode=one_step_off"]
 

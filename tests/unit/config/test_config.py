@@ -1,13 +1,10 @@
 """Config loading: defaults, YAML, overrides, and errors that name the key."""
 
-from pathlib import Path
-
 import pytest
 
 from megarl.config import ConfigError, MegarlConfig, save_config
 from megarl.run_config import load_config
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.paths import REPO
 
 
 def test_defaults_construct_and_validate():

@@ -8,8 +8,8 @@ import pytest
 from megarl.config import ConfigError
 from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[3]
 KEY = "actor_rollout_ref.rollout.multi_turn"
 ON = [f"{KEY}.enable=true", f"{KEY}.tool_config_path=configs/tools/calculator_python.yaml"]
 

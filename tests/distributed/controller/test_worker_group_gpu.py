@@ -1,0 +1,66 @@
+"""GPU worker groups: NCCL world over Ray-assigned GPUs, and two groups colocated on one GPU per bundle.
+
+Uses min(2, visible GPUs) ranks and skips without CUDA. Checks what CPU tests cannot: Ray's CUDA_VISIBLE_DEVICES narrowing, the local
+device index handed to workers, NCCL init through `init_torch_distributed`, and fractional GPU colocation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("ray", reason="Ray is not installed on this machine")
+
+from megarl.controller.ray_cluster import init_ray, shutdown_ray
+from megarl.controller.resource_pool import ResourcePool
+from megarl.controller.worker_env import init_torch_distributed
+from megarl.controller.worker_group import WorkerGroup
+from tests.paths import REPO
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+RANKS = min(2, torch.cuda.device_count())
+
+
+class NcclWorker:
+    def __init__(self) -> None:
+        self.ctx = init_torch_distributed(timeout_s=120)
+
+    def all_reduce_rank(self) -> dict:
+        value = torch.tensor([float(dist.get_rank() + 1)], device="cuda")
+        dist.all_reduce(value)
+        return {"sum": value.item(), "device": torch.cuda.current_device(),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    init_ray(num_cpus=8, num_gpus=RANKS, extra_pythonpath=[str(REPO)], log_to_driver=False)
+    yield
+    shutdown_ray()
+
+
+def test_nccl_world_and_colocated_groups_share_each_gpu():
+    pool = ResourcePool("gpu", nodes=[RANKS], device="cuda", cpus_per_process=1, gpus_per_process=1)
+    try:
+        first = WorkerGroup(pool, NcclWorker, name_prefix="train", bundle_share=0.5)
+        second = WorkerGroup(pool, NcclWorker, name_prefix="rollout", bundle_share=0.5)
+        a, b = first.call("all_reduce_rank"), second.call("all_reduce_rank")
+        expected = RANKS * (RANKS + 1) / 2
+        assert [r["sum"] for r in a + b] == [expected] * (2 * RANKS)
+        assert [r["device"] for r in a] == [int(info["local_device"]) for info in first.worker_infos]
+        assert all(r["visible"] and len(r["visible"].split(",")) == 1 for r in a)  # Ray narrowed visibility
+        assert len({r["uuid"] for r in a}) == RANKS  # the ranks drive different GPUs ...
+        assert [r["uuid"] for r in a] == [r["uuid"] for r in b]  # ... and colocated rank r shares rank r's GPU
+        print(first.format_placement_table())
+        first.shutdown()
+        second.shutdown()
+    finally:
+        pool.release()
