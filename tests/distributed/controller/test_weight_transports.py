@@ -28,13 +28,17 @@ def test_a_failing_receiver_stops_the_broadcast_with_its_error():
     shapes = [(name, tensor.numel()) for name, tensor in payload]
     peers = [ray.remote(num_cpus=0.5)(Receiver).remote(shapes),
              ray.remote(num_cpus=0.5)(FailingReceiver).remote(shapes)]
-    group = open_weight_group(peers, "cpu", timeout_s=600)
-    transport = BroadcastTransport(peers, group, timeout_s=600)
-    start = time.monotonic()
-    with pytest.raises(Exception, match="rollout engine refused the bucket"):
-        transport.send(payload[:2])
-    assert time.monotonic() - start < 60, "the failure was only noticed at the timeout"
-    assert isinstance(payload[0][1], torch.Tensor)
+    try:
+        group = open_weight_group(peers, "cpu", timeout_s=600)
+        transport = BroadcastTransport(peers, group, timeout_s=600)
+        start = time.monotonic()
+        with pytest.raises(Exception, match="rollout engine refused the bucket"):
+            transport.send(payload[:2])
+        assert time.monotonic() - start < 60, "the failure was only noticed at the timeout"
+        assert isinstance(payload[0][1], torch.Tensor)
+    finally:  # the good receiver waits in a broadcast that never comes: give its CPU back to the shared cluster
+        for peer in peers:
+            ray.kill(peer)
 
 
 class UnjoinableReceiver(Receiver):
@@ -50,6 +54,10 @@ def test_a_receiver_that_cannot_join_fails_the_group_at_once():
 
     peers = [ray.remote(num_cpus=0.5)(Receiver).remote([]), ray.remote(num_cpus=0.5)(UnjoinableReceiver).remote([])]
     start = time.monotonic()
-    with pytest.raises(Exception, match="no route to the trainer"):
-        open_weight_group(peers, "cpu", timeout_s=600)
-    assert time.monotonic() - start < 60
+    try:
+        with pytest.raises(Exception, match="no route to the trainer"):
+            open_weight_group(peers, "cpu", timeout_s=600)
+        assert time.monotonic() - start < 60
+    finally:  # the other receiver waits to join a group that never forms
+        for peer in peers:
+            ray.kill(peer)
