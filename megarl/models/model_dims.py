@@ -96,7 +96,8 @@ def read_model_dims(hf_config: Any, *, source: str = "hf_config") -> ModelDims:
                          f"got {type(hf_config).__name__}")
     model_type = _field(hf_config, "model_type")
     if model_type not in KNOWN_MODEL_TYPES:
-        raise ValueError(f"{source}: unsupported model_type {model_type!r}; megarl knows {', '.join(KNOWN_MODEL_TYPES)}")
+        raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
+                         f"megarl knows {', '.join(KNOWN_MODEL_TYPES)}")
 
     hidden = _positive_int(hf_config, "hidden_size", source)
     layers = _positive_int(hf_config, "num_hidden_layers", source)

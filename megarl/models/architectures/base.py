@@ -2,8 +2,8 @@
 
 An architecture module (llama.py, qwen3_moe.py, ...) checks that a Hugging Face config asks for nothing it
 leaves out, reads it into the shared :class:`~megarl.models.model_dims.ModelDims`, and turns it into megatron
-``TransformerConfig`` fields. From the dims, :func:`build_param_rules` lists every parameter of the whole model (all layers, all experts) as
-:class:`~megarl.models.weight_mapping.ParamRule` s, for either megatron layer spec:
+``TransformerConfig`` fields. From the dims, :func:`build_param_rules` lists every parameter of the whole model
+(all layers, all experts) as :class:`~megarl.models.weight_mapping.ParamRule` s, for either megatron layer spec:
 
 * ``local``: ``input_layernorm`` / ``pre_mlp_layernorm`` are separate modules; MoE experts are a
   ``SequentialMLP`` (``mlp.experts.local_experts.<e>.linear_fc1.weight``). The local spec's grouped-GEMM

@@ -1,6 +1,6 @@
 """Multi-turn GRPO on CPU: every response a conversation with the calculator between turns (the tiny random
-policy's calls forced by tests/distributed/agents/forced_calls.py), tool results masked out of the loss, the final answer
-scored; real Ray workers, Megatron actor, HF rollout engine."""
+policy's calls forced by tests/distributed/agents/forced_calls.py), tool results masked out of the loss, the final
+answer scored; real Ray workers, Megatron actor, HF rollout engine."""
 
 import pytest
 
@@ -16,7 +16,7 @@ MULTI_TURN = (
     "actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn=4",
     # a turn of 4 + a tool turn of <= 23 tokens (22 + the end-of-turn a cut turn lacks) + a turn of 4
     "data.max_response_length=31",
-    f"reward_model.custom_function.path={REPO}/tests/agents/final_answer_reward.py",
+    f"reward_model.custom_function.path={REPO}/tests/distributed/agents/final_answer_reward.py",
 )
 
 
