@@ -57,11 +57,25 @@ def policy_loss_arguments(actor: ActorConfig) -> dict:
                 clip_ratio_c=None if name == "gspo" else actor.clip_ratio_c)
 
 
+def mini_batch_rows(cfg: MegarlConfig, ppo_mini_batch_size: int, dp_size: int) -> int:
+    """Rows of one mini-batch on a rank of ``dp_size`` data-parallel replicas: ``ppo_mini_batch_size`` prompts,
+    each with its ``rollout.n`` responses, split over the replicas."""
+    return ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size
+
+
 def actor_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
     """The keyword arguments of ``ActorEngine.update_policy`` for this config, on a rank of ``dp_size``
-    data-parallel replicas (a mini-batch of ``ppo_mini_batch_size`` prompts is split over them)."""
+    data-parallel replicas."""
     a = cfg.actor_rollout_ref.actor
-    return dict(ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size,
+    return dict(ppo_epochs=a.ppo_epochs, mini_batch_size=mini_batch_rows(cfg, a.ppo_mini_batch_size, dp_size),
                 **policy_loss_arguments(a), entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
                 kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
                 norm_length=cfg.data.max_response_length)
+
+
+def critic_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
+    """The keyword arguments of ``CriticEngine.update_critic`` for this config, on a rank of ``dp_size``
+    data-parallel replicas."""
+    c = cfg.critic
+    return dict(ppo_epochs=c.ppo_epochs, mini_batch_size=mini_batch_rows(cfg, c.ppo_mini_batch_size, dp_size),
+                cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)

@@ -28,8 +28,8 @@ from megarl.batch import TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.device_residency import DeviceResidency, OffloadPolicy
 from megarl.controller.dispatch import Collect, Dispatch, register
-from megarl.controller.engine_specs import (DTYPES, actor_update_arguments, ddp_config, lr_schedule,
-                                            megatron_optimizer_config)
+from megarl.controller.engine_specs import (DTYPES, actor_update_arguments, critic_update_arguments, ddp_config,
+                                            lr_schedule, megatron_optimizer_config)
 from megarl.controller.fault_injection import kill_point
 from megarl.controller.megatron_role import MegatronRole
 from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTransport, open_weight_group
@@ -230,6 +230,7 @@ class CriticWorker(MegatronRole):
             micro_batching=MicroBatching(bool(c.use_sequence_packing), c.ppo_max_token_len_per_gpu),
         )
         self._load_critic_trunk()
+        self.update_arguments = critic_update_arguments(cfg, self.rank_info.dp_size)
 
     def _load_critic_trunk(self) -> None:
         """The value model starts from the policy's transformer; its scalar head is freshly initialised."""
@@ -245,10 +246,7 @@ class CriticWorker(MegatronRole):
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_critic(self, batch: TrainBatch) -> dict:
-        c = self.cfg.critic
-        mini_rows = c.ppo_mini_batch_size * self.cfg.actor_rollout_ref.rollout.n // self.rank_info.dp_size
-        return self.critic.update_critic(batch, ppo_epochs=c.ppo_epochs, mini_batch_size=mini_rows,
-                                         cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
+        return self.critic.update_critic(batch, **self.update_arguments)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def save_checkpoint(self, root: str, step: int) -> str:

@@ -169,3 +169,17 @@ def test_every_shipped_recipe_validates():
         load_config(recipe)
 
 
+
+
+def test_update_arguments_split_each_mini_batch_of_prompts_over_the_data_parallel_ranks():
+    """verl's meaning: ppo_mini_batch_size counts prompts; each brings rollout.n responses; a rank holds its
+    share of the data-parallel split. Built once per worker for the actor and the critic alike."""
+    from megarl.controller.engine_specs import actor_update_arguments, critic_update_arguments
+
+    cfg = load_config(overrides=["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=4",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=2",
+                                 "critic.ppo_epochs=3", "critic.cliprange_value=0.7"])
+    assert actor_update_arguments(cfg, dp_size=2)["mini_batch_size"] == 8 * 4 // 2
+    critic = critic_update_arguments(cfg, dp_size=2)
+    assert critic == dict(ppo_epochs=3, mini_batch_size=2 * 4 // 2, cliprange_value=0.7,
+                          loss_agg_mode=cfg.critic.loss_agg_mode)
