@@ -16,7 +16,7 @@ from megarl.models.bridge import ModelBridge
 from megarl.models.hf_checkpoint import HFCheckpointReader, check_checkpoint_names
 from megarl.models.parallel_layout import ParallelLayout
 from megarl.models.tiny import TINY_ARCHS, save_tiny_hf_checkpoint, tiny_hf_config, tiny_hf_config_dict
-from megarl.models.weight_mapping import ParamRule, QKVShape, fuse_qkv, split_qkv
+from megarl.models.weight_mapping import QKVShape, fuse_qkv, split_qkv
 
 
 @pytest.fixture(scope="module")
