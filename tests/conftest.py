@@ -7,6 +7,10 @@
 * ``tests/e2e`` (``e2e``): whole training runs through the trainer (one Ray cluster shared by the directory),
   launches on real Slurm and hand-made Ray clusters;
 * ``tests/gpu`` (``gpu``): CUDA only, skipped where there is none.
+
+Tests that run on a Ray cluster (the controller's worker groups and transports, the trainer's runs) share one,
+``ray_cluster``: started by the first that asks, stopped at the end of the session. Tests about starting and
+losing clusters (the launch tests, a SIGKILLed driver) start their own in processes of their own.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+RAY_CPUS = 8  # logical CPUs of the shared cluster: the trainer's runs take up to 4 ranks of 1 CPU, twice over
 TIERS = {"unit": pytest.mark.unit, "distributed": pytest.mark.distributed, "e2e": pytest.mark.e2e,
          "gpu": pytest.mark.gpu}
 
@@ -27,3 +32,21 @@ def pytest_collection_modifyitems(config, items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{path}: every test lives in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(TIERS[tier])
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's one local Ray cluster. Its workers get the repository on PYTHONPATH (they import worker
+    classes of test modules by reference), the CPU workers' thread settings, and ``MEGARL_TEST_MARKER`` (which
+    shows that init_ray's environment reaches them)."""
+    pytest.importorskip("ray")
+    import torch
+
+    from megarl.controller.ray_cluster import init_ray, shutdown_ray
+    from megarl.controller.worker_env import worker_env_for
+    from tests.paths import REPO
+
+    init_ray(None, num_cpus=RAY_CPUS, num_gpus=torch.cuda.device_count(), extra_pythonpath=[str(REPO)],
+             extra_env={**worker_env_for("cpu"), "MEGARL_TEST_MARKER": "on"})
+    yield
+    shutdown_ray()

@@ -15,7 +15,7 @@ class FailingReceiver(Receiver):
         raise ValueError("rollout engine refused the bucket")
 
 
-pytestmark = pytest.mark.usefixtures("ray_cluster")  # the directory's (conftest.py)
+pytestmark = pytest.mark.usefixtures("ray_cluster")  # the session's (tests/conftest.py)
 
 
 @pytest.mark.timeout(120)

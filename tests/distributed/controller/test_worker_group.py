@@ -1,7 +1,7 @@
 """Worker groups on a real local Ray cluster: gloo worlds with real collectives, DP dispatch, colocation, failures.
 
-The directory's one Ray cluster (conftest.py: 4 logical CPUs, 0.5 CPU per rank) serves the module, and starting
-worker processes is the expensive part on a 2-core box, so groups are module fixtures: a 4-rank dp2 x tp2 mesh, and
+The session's one Ray cluster (tests/conftest.py; 0.5 CPU per rank here) serves the module, and starting worker
+processes is the expensive part on a 2-core box, so groups are module fixtures: a 4-rank dp2 x tp2 mesh, and
 a 2-rank pool holding two colocated groups. The last two tests break those pair groups on purpose (kill -9, hang),
 so they come last. Worker classes live here; the workers import this module by reference.
 """
@@ -234,14 +234,22 @@ def test_failing_constructor_is_reported_as_worker_error():
 
 
 def test_unsatisfiable_pools_fail_fast_with_clear_errors(mesh, pair_pool):
-    # mesh + pair_pool hold 3 of the 4 CPUs (fixtures requested so the state is the same in isolation).
+    # mesh + pair_pool hold 3 CPUs of the session's cluster (fixtures requested so the state is the same in
+    # isolation); what earlier tests held is given back (a killed actor's CPU returns a moment after the kill).
+    total = int(ray.cluster_resources()["CPU"])
+    deadline = time.monotonic() + 30
+    while (free := ray.available_resources().get("CPU", 0)) != total - 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert free == total - 3, f"{total - 3 - free} CPU still held by earlier tests' actors"
     start = time.monotonic()
     with pytest.raises(ResourcePoolError, match=r"asks for 1 node x 8 processes.*no GPUs"):
         ResourcePool("gpu", nodes=[8], device="cuda")
-    with pytest.raises(ResourcePoolError, match=r"asks for 1 node x 16 processes.*fits on no node"):
-        ResourcePool("big", nodes=[16], device="cpu", cpus_per_process=0.5)  # 8 CPU on a 4-CPU cluster
-    with pytest.raises(ResourcePoolError, match=r"could not be placed within 2 s.*available now: 1 CPU"):
-        ResourcePool("late", nodes=[2], device="cpu", cpus_per_process=1.0, ready_timeout_s=2.0)
+    too_many = 2 * total + 2  # 0.5 CPU each: one more CPU than the whole cluster has
+    with pytest.raises(ResourcePoolError, match=rf"asks for 1 node x {too_many} processes.*fits on no node"):
+        ResourcePool("big", nodes=[too_many], device="cpu", cpus_per_process=0.5)
+    # the cluster has the CPUs, but the groups hold them: one CPU more than is free
+    with pytest.raises(ResourcePoolError, match=rf"could not be placed within 2 s.*available now: {free:g} CPU"):
+        ResourcePool("late", nodes=[int(free) + 1], device="cpu", cpus_per_process=1.0, ready_timeout_s=2.0)
     assert time.monotonic() - start < 20
     # The timed-out pool released its partial reservation: an ask that fits the free CPU succeeds.
     ResourcePool("fits", nodes=[2], device="cpu", cpus_per_process=0.5, ready_timeout_s=10.0).release()

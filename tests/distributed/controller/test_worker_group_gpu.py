@@ -1,7 +1,7 @@
 """GPU worker groups: NCCL world over Ray-assigned GPUs, and two groups colocated on one GPU per bundle.
 
-Uses min(2, visible GPUs) ranks and skips without CUDA. Checks what CPU tests cannot: Ray's CUDA_VISIBLE_DEVICES narrowing, the local
-device index handed to workers, NCCL init through `init_torch_distributed`, and fractional GPU colocation.
+Uses min(2, visible GPUs) ranks and skips without CUDA. Checks what CPU tests cannot: Ray's CUDA_VISIBLE_DEVICES
+narrowing, the local device index handed to workers, NCCL init through `init_torch_distributed`, and fractional GPU colocation.
 """
 
 from __future__ import annotations
@@ -14,16 +14,15 @@ import torch.distributed as dist
 
 pytest.importorskip("ray", reason="Ray is not installed on this machine")
 
-from megarl.controller.ray_cluster import init_ray, shutdown_ray
 from megarl.controller.resource_pool import ResourcePool
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.controller.worker_group import WorkerGroup
-from tests.paths import REPO
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.usefixtures("ray_cluster"),  # the session's (tests/conftest.py), holding every visible GPU
 ]
 
 RANKS = min(2, torch.cuda.device_count())
@@ -40,11 +39,6 @@ class NcclWorker:
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    init_ray(num_cpus=8, num_gpus=RANKS, extra_pythonpath=[str(REPO)], log_to_driver=False)
-    yield
-    shutdown_ray()
 
 
 def test_nccl_world_and_colocated_groups_share_each_gpu():
