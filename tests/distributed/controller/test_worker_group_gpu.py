@@ -39,8 +39,6 @@ class NcclWorker:
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
 
 
-
-
 def test_nccl_world_and_colocated_groups_share_each_gpu():
     pool = ResourcePool("gpu", nodes=[RANKS], device="cuda", cpus_per_process=1, gpus_per_process=1)
     try:

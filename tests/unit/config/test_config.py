@@ -169,8 +169,6 @@ def test_every_shipped_recipe_validates():
         load_config(recipe)
 
 
-
-
 def test_update_arguments_split_each_mini_batch_of_prompts_over_the_data_parallel_ranks():
     """verl's meaning: ppo_mini_batch_size counts prompts; each brings rollout.n responses; a rank holds its
     share of the data-parallel split. Built once per worker for the actor and the critic alike."""
