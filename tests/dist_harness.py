@@ -17,6 +17,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import random
 import socket
 import time
 import traceback
@@ -29,6 +30,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# Rank 0 binds the rendezvous port some time after it is chosen. A port from the system's ephemeral range
+# (32768-60999 on Linux) can be handed to any process's outgoing or port-0 socket in between (a Ray worker of
+# the session's cluster took one once), and Ray's workers listen on 10002-19999; this range is neither.
+RENDEZVOUS_PORTS = range(20000, 32768)
+
+
+def rendezvous_port() -> int:
+    while True:
+        port = random.choice(RENDEZVOUS_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def _entry(fn, rank, world_size, port, args, queue):
@@ -63,7 +81,7 @@ def _context():
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    port = rendezvous_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
     for proc in procs:
         proc.start()
