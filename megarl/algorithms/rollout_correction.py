@@ -100,11 +100,15 @@ def check_rollout_correction_settings(*, rollout_is: Optional[str], rollout_is_t
                                       rollout_rs: Optional[str], rollout_rs_threshold) -> None:
     """``ValueError`` naming the ``algorithm.rollout_correction`` key a run could not correct with (config time)."""
     if rollout_is is not None:
-        if rollout_is not in IS_LEVELS:
-            raise ValueError(f"algorithm.rollout_correction.rollout_is must be null, 'token' or 'sequence', "
-                             f"got {rollout_is!r}")
+        _require_is_level(rollout_is)
         parse_bounds(rollout_is_threshold, name="algorithm.rollout_correction.rollout_is_threshold")
     rs_thresholds(rs_options(rollout_rs), rollout_rs_threshold)
+
+
+def _require_is_level(rollout_is: str) -> None:
+    if rollout_is not in IS_LEVELS:
+        raise ValueError(f"algorithm.rollout_correction.rollout_is must be null, 'token' or 'sequence', "
+                         f"got {rollout_is!r}")
 
 
 def compute_rollout_correction(
@@ -112,8 +116,6 @@ def compute_rollout_correction(
     rollout_is: Optional[str] = None, rollout_is_threshold: Union[str, float] = 2.0,
     rollout_is_batch_normalize: bool = False, rollout_rs: Optional[str] = None, rollout_rs_threshold=None,
 ) -> RolloutCorrection:
-    check_rollout_correction_settings(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
-                                      rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold)
     mask = response_mask.bool()
     mask_f = mask.double()
     valid_tokens = max(int(mask.sum()), 1)
@@ -151,6 +153,7 @@ def compute_rollout_correction(
 
     weights = None
     if rollout_is is not None:
+        _require_is_level(rollout_is)
         lower, upper = parse_bounds(rollout_is_threshold, name="algorithm.rollout_correction.rollout_is_threshold")
         if rollout_is == "token":
             log_weight = log_ratio
