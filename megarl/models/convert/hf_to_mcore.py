@@ -40,7 +40,7 @@ from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_b
 from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
 from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
 from megarl.models.convert.safetensors_stream import (
-    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, read_rows_into, read_tensor,
+    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, map_rows, read_rows_into, read_tensor,
 )
 from megarl.models.weight_mapping import TensorConverter
 
@@ -370,7 +370,8 @@ def plan_torch_dist(bridge, layout, locations: dict[str, TensorLocation], option
 def _read_chunk_in_place(item, entry: Entry, dtype: torch.dtype, context: _Context) -> Optional[torch.Tensor]:
     """Megatron's chunk ``item`` of ``entry``'s parameter (planned as ``dtype``) read straight from the HF files
     into a tensor of its own: each HF row lands where the fusion puts it, so q/k/v and gate/up are fused without
-    building the HF tensors, the fused parameter, or the copy of a chunk that DCP's writer would clone out of it.
+    building the HF tensors, the fused parameter, or the copy of a chunk that DCP's writer would clone out of it;
+    a chunk that is one stored row range is mapped instead (:func:`map_rows`), so it is never copied to memory.
     ``None`` where that does not apply (a source to convert to ``dtype``, FP8 to dequantize, a chunk that is not
     a row range)."""
     sources = {source.hf_name: source.location for source in entry.sources}
@@ -391,6 +392,9 @@ def _read_chunk_in_place(item, entry: Entry, dtype: torch.dtype, context: _Conte
                 return None
             reads.append((run, lo, hi))
     padded = sum(hi - lo for _, lo, hi in reads) < shape[0]  # the vocabulary's padding rows stay zero
+    if len(reads) == 1 and not padded:  # one stored row range: written straight from the page cache
+        run, lo, hi = reads[0]
+        return map_rows(sources[run.hf_name], run.src_row + lo - run.dst_row, hi - lo).reshape(item.chunk_shape)
     out = torch.zeros(shape, dtype=dtype) if padded else torch.empty(shape, dtype=dtype)
     for run, lo, hi in reads:
         read_rows_into(sources[run.hf_name], out[lo - first:hi - first], run.src_row + lo - run.dst_row)

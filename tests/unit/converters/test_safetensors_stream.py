@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.models.convert.safetensors_stream import (
-    PlannedTensor, StreamingSafetensorsWriter, read_safetensors_header, read_tensor,
+    PlannedTensor, StreamingSafetensorsWriter, map_rows, read_safetensors_header, read_tensor,
 )
 
 
@@ -40,6 +40,22 @@ def test_reader_matches_files_written_by_safetensors(tmp_path):
     header, _ = read_safetensors_header(path)
     for name, tensor in tensors.items():
         assert torch.equal(read_tensor(header[name]), tensor)
+
+
+def test_mapped_rows_equal_the_read_rows_at_any_offset_and_stay_valid_without_the_file_handle(tmp_path):
+    # an odd-sized first tensor puts the second one's bytes off every page boundary
+    tensors = {"pad": torch.arange(3, dtype=torch.int8), "w": torch.randn(2000, 5).to(torch.bfloat16),
+               "norm": torch.randn(7)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    header, _ = read_safetensors_header(path)
+    for first, rows in ((0, 2000), (1, 1), (819, 1000), (2000, 0)):
+        mapped = map_rows(header["w"], first, rows)
+        assert mapped.shape == (rows, 5) and mapped.untyped_storage().nbytes() == mapped.nbytes
+        assert torch.equal(mapped, read_tensor(header["w"], row_start=first, row_end=first + rows))
+    assert torch.equal(map_rows(header["norm"], 2, 5), tensors["norm"][2:])
+    with pytest.raises(ValueError, match="w: rows \\[1999, 2001\\) outside"):
+        map_rows(header["w"], 1999, 2)
 
 
 def test_plan_mismatch_and_early_close_raise_and_leave_no_file(tmp_path):
