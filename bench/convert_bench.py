@@ -100,6 +100,10 @@ def cp_copy(src_dir: str, dst_dir: str) -> tuple[int, float]:
     return sum(os.path.getsize(p) for p in paths), time.perf_counter() - started
 
 
+STEPS = ("cp", "torch_dist", "per_rank", "mcore_to_hf")  # the raw copy always runs: it is the baseline
+CHILD_DIRECTIONS = {"torch_dist": "hf_to_torch_dist", "per_rank": "hf_to_per_rank", "mcore_to_hf": "mcore_to_hf"}
+
+
 def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int, part: int) -> None:
     import torch
 
@@ -164,7 +168,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"which of {','.join(STEPS)} to run (mcore_to_hf needs torch_dist)")
     args = parser.parse_args()
+    steps = args.steps.split(",")
+    if set(steps) - set(STEPS) or ("mcore_to_hf" in steps and "torch_dist" not in steps):
+        parser.error(f"--steps: choose from {','.join(STEPS)}, mcore_to_hf only with torch_dist")
     work = args.work or tempfile.mkdtemp(prefix="convert_bench_")
     budget = args.budget_mb * 2**20
     part = (args.part_mb or args.budget_mb) * 2**20
@@ -186,22 +195,26 @@ def main() -> None:
                                              num_heads=heads, num_kv_heads=max(1, heads // 4), dtype=dtype,
                                              shard_bytes=4 * 10**9 if h >= 2048 else 256 * 2**20)
         size = dir_bytes(hf)
-        cp_bytes, cp_s = cp_copy(hf, os.path.join(work, "cp"))
-        raw_bytes, raw_s = raw_copy(hf, os.path.join(work, "raw"), args.workers)
-        shutil.rmtree(os.path.join(work, "cp"))
+        rows, runs = [], {}
+        if "cp" in steps:
+            cp_bytes, cp_s = cp_copy(hf, os.path.join(work, "cp"))
+            shutil.rmtree(os.path.join(work, "cp"))
+            rows.append(("cp + sync", cp_bytes, cp_s, None))
+        raw_bytes, raw_s = raw_copy(hf, os.path.join(work, "raw"), args.workers)  # every ratio's baseline
         shutil.rmtree(os.path.join(work, "raw"))
-        to_dist = run_child("hf_to_torch_dist", hf, os.path.join(work, "td"), args.tp, args.workers, budget, part)
-        to_rank = run_child("hf_to_per_rank", hf, os.path.join(work, "mc"), args.tp, args.workers, budget, part)
-        shutil.rmtree(os.path.join(work, "mc"))
-        to_hf = run_child("mcore_to_hf", os.path.join(work, "td"), os.path.join(work, "back"), args.tp,
-                          args.workers, budget, part)
+        rows.append((f"raw copy, {args.workers} process(es) + fsync", raw_bytes, raw_s, None))
+        for step, name, src, dst in (
+                ("torch_dist", "hf_to_mcore torch_dist (default)", hf, "td"),
+                ("per_rank", f"hf_to_mcore per_rank tp={args.tp}", hf, "mc"),
+                ("mcore_to_hf", "mcore_to_hf from torch_dist", os.path.join(work, "td"), "back")):
+            if step in steps:
+                runs[step] = run_child(CHILD_DIRECTIONS[step], src, os.path.join(work, dst), args.tp, args.workers,
+                                       budget, part)
+                written = size if step != "mcore_to_hf" else dir_bytes(os.path.join(work, dst))
+                rows.append((name, written, runs[step]["seconds"], runs[step]["rss_over_baseline"]))
+                if step == "per_rank":
+                    shutil.rmtree(os.path.join(work, dst))
         raw_gbs = raw_bytes / raw_s / 1e9
-        rows = [("cp + sync", cp_bytes, cp_s, None),
-                (f"raw copy, {args.workers} process(es) + fsync", raw_bytes, raw_s, None),
-                ("hf_to_mcore torch_dist (default)", size, to_dist["seconds"], to_dist["rss_over_baseline"]),
-                (f"hf_to_mcore per_rank tp={args.tp}", size, to_rank["seconds"], to_rank["rss_over_baseline"]),
-                ("mcore_to_hf from torch_dist", dir_bytes(os.path.join(work, "back")), to_hf["seconds"],
-                 to_hf["rss_over_baseline"])]
         print(f"checkpoint: {size / 1e9:.2f} GB in {len(glob.glob(os.path.join(hf, '*.safetensors')))} files; "
               f"workers={args.workers}; budget={args.budget_mb} MiB; cores={os.cpu_count()}\n")
         print("| step | GB | seconds | GB/s | vs raw | peak RSS over baseline |")
@@ -213,21 +226,17 @@ def main() -> None:
             print(f"| {name} | {nbytes / 1e9:.2f} | {seconds:.1f} | {gbs:.3f} | {gbs / raw_gbs:.2f}x | {rss_text} |")
             table.append({"step": name, "bytes": nbytes, "seconds": seconds, "gb_per_s": gbs,
                           "vs_raw": gbs / raw_gbs, "rss_over_baseline": rss})
-        for name, run in (("hf_to_mcore torch_dist", to_dist), ("hf_to_mcore per_rank", to_rank),
-                          ("mcore_to_hf", to_hf)):
+        for step, run in runs.items():
             for line in run["timing"]:
-                print(f"{name}: {line}")
-        workers_peak = {"hf_to_torch_dist": to_dist["largest_worker_peak_rss"],
-                        "hf_to_per_rank": to_rank["largest_worker_peak_rss"],
-                        "mcore_to_hf": to_hf["largest_worker_peak_rss"]}
+                print(f"{CHILD_DIRECTIONS[step]}: {line}")
+        workers_peak = {CHILD_DIRECTIONS[step]: run["largest_worker_peak_rss"] for step, run in runs.items()}
         if args.workers > 1:
             peaks = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in workers_peak.items())
             print(f"\nlargest worker's peak RSS (MiB): {peaks}")
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump({"workers": args.workers, "cores": os.cpu_count(), "size_bytes": size, "rows": table,
-                       "timing": {"hf_to_torch_dist": to_dist["timing"], "hf_to_per_rank": to_rank["timing"],
-                                  "mcore_to_hf": to_hf["timing"]},
+                           "timing": {CHILD_DIRECTIONS[step]: run["timing"] for step, run in runs.items()},
                            "largest_worker_peak_rss": workers_peak, "args": vars(args)}, handle, indent=1)
     finally:
         if args.work is None:

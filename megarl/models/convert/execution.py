@@ -68,7 +68,7 @@ class Task:
 @dataclass
 class FileRecord:
     size: int
-    crc32: int
+    crc32: Optional[int]  # None for a format that records none
 
 
 def hash_plan(tasks: list[Task], extra: Any) -> str:
@@ -124,7 +124,7 @@ class ProgressManifest:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def record(self, rel_path: str, size: int, crc32: int) -> None:
+    def record(self, rel_path: str, size: int, crc32: Optional[int]) -> None:
         self._append({"file": rel_path, "size": size, "crc32": crc32})
         self.done[rel_path] = FileRecord(size, crc32)
 
@@ -155,7 +155,7 @@ def note_tensor_written() -> None:
 
 
 # ---------------------------------------------------------------------------------------- runner
-TaskFn = Callable[[Any, Task], list[tuple[str, int, int]]]
+TaskFn = Callable[[Any, Task], list[tuple[str, int, Optional[int]]]]  # (file, size, CRC32 or None)
 _WORKER: dict[str, Any] = {}
 
 
@@ -272,7 +272,7 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
     concurrency = max(1, min(workers, len(todo)))
     started = time.time()
 
-    def finish(task: Task, results: list[tuple[str, int, int]], task_started: float, task_ended: float) -> None:
+    def finish(task: Task, results: list[tuple[str, int, Optional[int]]], task_started: float, task_ended: float) -> None:
         for rel_path, size, crc in results:
             manifest.record(rel_path, size, crc)
             stats.bytes_written += size

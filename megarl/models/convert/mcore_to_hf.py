@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -102,11 +103,11 @@ class _Context:
     out_dir: str
 
 
-def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int, int]]:
+def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int, Optional[int]]]:
     """One HF shard: each entry's full (TP=1) parameter, ``full_parameter(entry)``, split into its HF tensors."""
     (out,) = task.files
     writer = StreamingSafetensorsWriter(os.path.join(context.out_dir, out.rel_path), list(out.tensors),
-                                        metadata=_SAFETENSORS_METADATA)
+                                        metadata=_SAFETENSORS_METADATA, checksum=False)  # HF keeps no CRC
     try:
         for entry in task.payload:
             full = full_parameter(entry)
@@ -120,7 +121,7 @@ def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int,
         raise
 
 
-def _run_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
+def _run_task(context: _Context, task: Task) -> list[tuple[str, int, Optional[int]]]:
     return _write_hf_shard(context, task, lambda entry: context.tensors.merge_tp(
         entry.global_name, [read_tensor(loc) for loc in entry.shards]))
 
@@ -223,8 +224,11 @@ def _dist_hf_config(ckpt_dir: str, hf_config_dir: Optional[str]) -> tuple[dict, 
                      f"converted): name the HF model directory whose config.json describes it (--hf-config)")
 
 
-def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, int]]:
+def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, Optional[int]]]:
     def assemble(entry: DistEntry) -> torch.Tensor:  # the parameter from megatron's chunks of it
+        if len(entry.items) == 1 and entry.items[0].view == _whole(entry.shape):  # one chunk is the parameter
+            item = entry.items[0]
+            return context.reader.read(item.key, item.offset, item.chunk_shape).reshape(entry.shape)
         full = torch.empty(entry.shape, dtype=entry.dtype)
         for item in entry.items:
             shape, stride, storage_offset = item.view
@@ -233,6 +237,11 @@ def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, 
         return full
 
     return _write_hf_shard(context, task, assemble)
+
+
+def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """The (shape, stride, storage offset) view that is the whole contiguous tensor of ``shape``."""
+    return tuple(shape), tuple(math.prod(shape[d + 1:]) for d in range(len(shape))), 0
 
 
 @dataclass

@@ -204,16 +204,17 @@ class StreamingSafetensorsWriter:
 
     ``add(name, tensor)`` must follow the planned order and match the planned dtype/shape exactly; a
     mismatch raises (naming the tensor) before anything is published. ``abort()`` removes the temp file.
-    The CRC32 of every byte written is kept so that the resume manifest can record it.
+    The CRC32 of every byte written is kept for a format that records it (``checksum=False``: none, ``crc32``
+    is None; computing it is a pass over every byte).
     """
 
     def __init__(self, path: str | os.PathLike, tensors: list[PlannedTensor],
-                 metadata: Optional[dict[str, str]] = None):
+                 metadata: Optional[dict[str, str]] = None, *, checksum: bool = True):
         self.path = os.fspath(path)
         self.tmp_path = f"{self.path}.tmp-{os.getpid()}"
         self._plan = list(tensors)
         self._next = 0
-        self.crc32 = 0
+        self.crc32: Optional[int] = 0 if checksum else None
         self.size = 0
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self._handle = open(self.tmp_path, "wb")
@@ -221,7 +222,8 @@ class StreamingSafetensorsWriter:
 
     def _write(self, data) -> None:
         self._handle.write(data)
-        self.crc32 = zlib.crc32(data, self.crc32)
+        if self.crc32 is not None:
+            self.crc32 = zlib.crc32(data, self.crc32)
         self.size += len(data) if isinstance(data, bytes) else data.nbytes
 
     @property
@@ -243,7 +245,7 @@ class StreamingSafetensorsWriter:
             self._write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
         self._next += 1
 
-    def close(self) -> tuple[int, int]:
+    def close(self) -> tuple[int, Optional[int]]:
         """Flush, fsync and rename into place. Returns ``(size, crc32)``."""
         if self._next != len(self._plan):
             missing = [t.name for t in self._plan[self._next:]][:5]

@@ -398,11 +398,14 @@ class TorchDistReader:
         stored = self.tensors.get(key)
         if stored is None:
             raise KeyError(f"{self.path}: no tensor {key!r} in the checkpoint")
-        out = torch.zeros(shape, dtype=stored.properties.dtype)
         inside = _overlap(offset, shape, (0,) * len(shape), tuple(stored.size))
         if len(stored.size) != len(shape) or inside is None:
             raise ValueError(f"{self.path}: {key} is {tuple(stored.size)} in the checkpoint; cannot read "
                              f"{shape} at {offset} from it")
+        for chunk in stored.chunks:  # the box is one stored chunk (a checkpoint read at the layout it was saved at)
+            if tuple(chunk.offsets) == tuple(offset) and tuple(chunk.sizes) == tuple(shape):
+                return self._load_chunk(meta.MetadataIndex(key, chunk.offsets))
+        out = torch.zeros(shape, dtype=stored.properties.dtype)
         filled = 0
         for chunk in stored.chunks:
             overlap = _overlap(offset, shape, tuple(chunk.offsets), tuple(chunk.sizes))
@@ -423,10 +426,50 @@ class TorchDistReader:
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms {info.transform_descriptors}, "
                              f"which this reader does not undo")
-        with open(os.path.join(self.path, info.relative_path), "rb") as handle:
-            handle.seek(info.offset)
-            data = handle.read(info.length)
-        if len(data) != info.length:
-            raise ValueError(f"{self.path}/{info.relative_path}: truncated ({index.fqn} needs bytes "
-                             f"{info.offset}..{info.offset + info.length})")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        path = os.path.join(self.path, info.relative_path)
+        if os.path.getsize(path) < info.offset + info.length:
+            raise ValueError(f"{path}: truncated ({index.fqn} needs bytes {info.offset}..{info.offset + info.length})")
+        with _ByteRange(path, info.offset, info.length) as item:
+            return torch.load(item, map_location="cpu", weights_only=True)
+
+
+class _ByteRange(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of a file as a file of their own, read with ``pread`` : ``torch.load``
+    reads a stored item's tensor straight into the tensor's memory (``readinto``), with no copy of the item's
+    bytes in between."""
+
+    def __init__(self, path: str, start: int, length: int):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY)
+        self._path, self._start, self._length, self._position = path, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._position, os.SEEK_END: self._length}[whence]
+        self._position = max(0, base + position)
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        wanted = min(len(view), self._length - self._position)
+        done = 0
+        while done < wanted:  # pread may return short counts for large requests
+            got = os.preadv(self._fd, [view[done:wanted]], self._start + self._position + done)
+            if got <= 0:
+                raise ValueError(f"{self._path}: unexpected end of file at byte {self._start + self._position + done}")
+            done += got
+        self._position += done
+        return done
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
