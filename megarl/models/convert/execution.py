@@ -278,7 +278,8 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
     concurrency = max(1, min(workers, len(todo)))
     started = time.time()
 
-    def finish(task: Task, results: list[tuple[str, int, Optional[int]]], task_started: float, task_ended: float) -> None:
+    def finish(task: Task, results: list[tuple[str, int, Optional[int]]], task_started: float,
+               task_ended: float) -> None:
         for rel_path, size, crc in results:
             manifest.record(rel_path, size, crc)
             stats.bytes_written += size
