@@ -7,9 +7,13 @@ CRC32, one fsynced line per file) under the output directory. The first line hol
 plan: rerunning with the same inputs and options resumes (finished tasks are skipped, stray temp
 files are removed); rerunning with different ones into the same directory is refused.
 
-Workers are forked from a fresh ``forkserver`` process that has imported torch and the task code once (a fork
-from the parent, where torch may have started threads, can deadlock; ``spawn`` makes every worker import
-torch itself, which on a 16-core GPU host took 18 s for 16 workers at once). Each worker gets the parent's
+Workers are forked from this process when that is safe (one thread, CUDA not started: the converters' own
+command lines), at once and before the plan, so that they carry its imports and are ready in a fraction of a
+second; otherwise from a fresh ``forkserver`` process that imports torch and the task code once (a fork of a
+process whose other threads may hold locks can deadlock; ``spawn`` makes every worker import torch itself,
+which on a 16-core GPU host took 18 s for 16 workers at once). The fork server costs more than its imports:
+on the 16-core GPU host its 16 workers were ready 9-10 s after the pool was made, because starting each one
+needs this process's interpreter, busy importing megatron for the plan. Each worker gets the parent's
 environment and builds its context once (plain data: the tensor rules, the output directory), then runs tasks.
 With ``workers=1`` everything runs in the calling process.
 
@@ -25,12 +29,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import importlib
 import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -183,22 +189,15 @@ def _ready_at() -> float:
     return _WORKER["ready_at"]
 
 
-def _worker_start_method(preload: list[str]) -> mp.context.BaseContext:
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", __name__, *preload])  # used when this program's fork server starts
-    return context
-
-
-def start_worker_server(preload: list[str]) -> None:
-    """Start the fork server now, in the background, so that its imports (torch's: seconds on a GPU host)
-    overlap whatever this process does before it makes its :class:`WorkerPool`."""
-    if "forkserver" in mp.get_all_start_methods():
-        from multiprocessing import forkserver
-
-        _worker_start_method(preload)
-        threading.Thread(target=forkserver.ensure_running, name="conversion-fork-server", daemon=True).start()
+def forking_is_safe() -> bool:
+    """Whether this process may fork its workers itself: it runs one thread (a fork copies only the thread that
+    forks, so a lock another thread held would stay held in the child) and has not started CUDA (which a forked
+    child cannot use). Threads that native libraries started (an OpenMP pool) do not count: the workers run
+    one intra-op thread and never enter a parallel region."""
+    if "fork" not in mp.get_all_start_methods() or threading.active_count() != 1:
+        return False
+    torch = sys.modules.get("torch")
+    return torch is None or not torch.cuda.is_initialized()
 
 
 class WorkerPool:
@@ -207,7 +206,7 @@ class WorkerPool:
     Made before the plan so that their start-up (a fork, the context) overlaps the planning in this process
     instead of following it. A worker that dies (OOM killer, a signal) breaks the pool: the run fails at
     once, naming it, instead of waiting for a result that will not come. ``preload``: modules the tasks
-    import lazily, imported once in the fork server instead of in every worker."""
+    import lazily, imported once (here before forking, or in the fork server) instead of in every worker."""
 
     def __init__(self, workers: int, make_context: Callable[..., Any], context_args: tuple, run_task: TaskFn,
                  preload: tuple[str, ...] = ()):
@@ -215,13 +214,29 @@ class WorkerPool:
 
         self.workers = workers
         self.created_at = time.time()
-        start_method = _worker_start_method([make_context.__module__, run_task.__module__, *preload])
+        modules = ["torch", __name__, make_context.__module__, run_task.__module__, *preload]
+        self.forked_here = forking_is_safe()
+        if self.forked_here:
+            for module in modules:  # the workers inherit them
+                importlib.import_module(module)
+            start_method = mp.get_context("fork")
+        elif "forkserver" in mp.get_all_start_methods():
+            start_method = mp.get_context("forkserver")
+            start_method.set_forkserver_preload(modules)  # used when this program's fork server starts
+        else:
+            start_method = mp.get_context("spawn")
         self.executor = ProcessPoolExecutor(workers, mp_context=start_method, initializer=_init_worker,
                                             initargs=(dict(os.environ), make_context, context_args, run_task))
-        # Executors add a process per submission that finds none idle: one call each starts all of them. From a
-        # thread, because starting the first waits for the fork server's imports, which this process need not.
-        self._starter = threading.Thread(target=self._start_all, name="conversion-workers-start", daemon=True)
-        self._starter.start()
+        logger.info("%d conversion workers %s", workers, "forked from this process" if self.forked_here
+                    else f"started by {start_method.get_start_method()} (this process runs other threads or CUDA)")
+        self._starter: Optional[threading.Thread] = None
+        if self.forked_here:
+            self.executor.submit(_ready_at)  # forks every worker, before the executor starts its own thread
+        else:
+            # Otherwise executors add a process per submission that finds none idle: one call each starts all
+            # of them. From a thread, because starting the first waits for the fork server's imports.
+            self._starter = threading.Thread(target=self._start_all, name="conversion-workers-start", daemon=True)
+            self._starter.start()
 
     def _start_all(self) -> None:
         for _ in range(self.workers):
@@ -230,14 +245,18 @@ class WorkerPool:
     def __enter__(self) -> "WorkerPool":
         return self
 
+    def _started(self) -> None:
+        if self._starter is not None:
+            self._starter.join()
+
     def let_go(self) -> None:
         """No more tasks: the workers start exiting (16 of them took a second on a GPU host) while this process
         finishes the checkpoint; leaving the ``with`` block waits for them."""
-        self._starter.join()
+        self._started()
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def __exit__(self, *exc) -> None:
-        self._starter.join()
+        self._started()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 

@@ -34,7 +34,7 @@ import torch
 
 from megarl.models import mcore_checkpoint as fmt
 from megarl.models.convert.execution import (
-    OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks, start_worker_server,
+    OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks,
 )
 from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blockwise, fp8_block_size
 from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
@@ -438,8 +438,6 @@ def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.d
         raise FileExistsError(f"{os.path.join(out_dir, TRACKER_FILE)} exists: {out_dir} already holds a finished "
                               f"checkpoint")
     started = time.perf_counter()
-    if workers > 1:
-        start_worker_server([__name__, *WORKER_MODULES])
     hf_config = read_hf_config_dict(hf_dir)
     options = ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype, spec="local", max_file_bytes=max_file_bytes)
     bridge = planning_bridge(hf_config, "local")  # the checkpoint's keys are the same for the TE spec

@@ -37,7 +37,7 @@ import torch
 
 from megarl.models import mcore_checkpoint as fmt
 from megarl.models.convert.execution import (
-    OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks, start_worker_server,
+    OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks,
 )
 from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names, write_json_atomically
 from megarl.models.convert.placement import place_global_tensor
@@ -262,8 +262,6 @@ def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: i
     from megarl.models.convert.hf_to_mcore import planning_bridge
     from megarl.models.convert.torch_dist import WORKER_MODULES
 
-    if workers > 1:
-        start_worker_server([__name__, *WORKER_MODULES])
     hf_config, record, assets_dir = _dist_hf_config(ckpt_dir, hf_config_dir)
     bridge = planning_bridge(hf_config, "local")
     context_args = (bridge.tensors, ckpt_dir, out_dir)

@@ -155,6 +155,27 @@ def _all_keys(path):
 
 
 @pytest.mark.timeout(300)
+def test_workers_forked_by_the_command_and_from_the_fork_server_write_the_same_checkpoint(tmp_path, monkeypatch):
+    """The command line is one thread, so it forks its workers itself; a process running other threads (here
+    made to look so) starts them from the fork server. Both give the checkpoint one process writes."""
+    from megarl.models.convert import execution
+    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.models.tiny import save_tiny_hf_checkpoint
+
+    hf_dir = save_tiny_hf_checkpoint("qwen2", tmp_path / "hf", seed=4)
+    forked = _cli(["--hf", str(hf_dir), "--out", str(tmp_path / "forked"), "--workers", "2",
+                   "--max-file-size", "20000"])
+    assert forked.returncode == 0, forked.stderr[-3000:]
+    assert "2 conversion workers forked from this process" in forked.stderr
+    monkeypatch.setattr(execution, "forking_is_safe", lambda: False)
+    convert_hf_to_mcore(hf_dir, tmp_path / "served", workers=2, max_file_bytes=20_000)
+    convert_hf_to_mcore(hf_dir, tmp_path / "alone", max_file_bytes=20_000)
+    alone = _all_keys(tmp_path / "alone")
+    for other in (_all_keys(tmp_path / "forked"), _all_keys(tmp_path / "served")):
+        assert other.keys() == alone.keys() and all(torch.equal(other[k], alone[k]) for k in alone)
+
+
+@pytest.mark.timeout(300)
 def test_killed_conversion_resumes_to_the_same_checkpoint(tmp_path):
     from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
