@@ -249,12 +249,6 @@ class WorkerPool:
         if self._starter is not None:
             self._starter.join()
 
-    def let_go(self) -> None:
-        """No more tasks: the workers start exiting (16 of them took a second on a GPU host) while this process
-        finishes the checkpoint; leaving the ``with`` block waits for them."""
-        self._started()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-
     def __exit__(self, *exc) -> None:
         self._started()
         self.executor.shutdown(wait=True, cancel_futures=True)

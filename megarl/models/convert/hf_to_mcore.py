@@ -478,8 +478,6 @@ def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: di
     stats = run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_Context,
                       context_args=context_args, run_task=_run_torch_dist_task, description="hf->torch_dist",
                       pool=pool)
-    if pool is not None:
-        pool.let_go()
     phases["tasks"] = stats.seconds
     merging = time.perf_counter()
     shapes = merge_parts(os.path.join(out_dir, ITERATION_DIR), [task.task_id for task in tasks])

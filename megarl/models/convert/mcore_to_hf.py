@@ -272,13 +272,11 @@ def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: i
         plan_hash = hash_plan(tasks, {"direction": "torch_dist_to_hf", "source": os.path.abspath(ckpt_dir)})
         run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_make_dist_context,
                   context_args=context_args, run_task=_run_dist_task, description="torch_dist->hf", pool=pool)
-        if pool is not None:
-            pool.let_go()
-        for name in hf_asset_names(assets_dir) if assets_dir and os.path.isdir(assets_dir) else []:
-            if name != "config.json":
-                shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
-        write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(hf_config, record))
-        return _finish(tasks, out_dir)
+    for name in hf_asset_names(assets_dir) if assets_dir and os.path.isdir(assets_dir) else []:
+        if name != "config.json":
+            shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
+    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(hf_config, record))
+    return _finish(tasks, out_dir)
 
 
 def _plan_torch_dist_to_hf(ckpt_dir: str, bridge, max_shard_bytes: int) -> list[Task]:
