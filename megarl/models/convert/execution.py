@@ -26,7 +26,6 @@ output ranks instead; the format does not need a coordinator).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import importlib
@@ -287,8 +286,11 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
     stats = RunStats(tasks_total=len(tasks), tasks_skipped=len(tasks) - len(todo))
     if stats.tasks_skipped:
         logger.info("resuming: %d of %d tasks already finished in %s", stats.tasks_skipped, len(tasks), out_dir)
-    bar = tqdm(total=sum(t.nbytes for t in todo), unit="B", unit_scale=True, desc=description, disable=None)
     concurrency = max(1, min(workers, len(todo)))
+    own_pool = pool is None and concurrency > 1
+    if own_pool:  # before the progress bar, whose monitor thread would keep the workers from being forked here
+        pool = WorkerPool(concurrency, make_context, context_args, run_task)
+    bar = tqdm(total=sum(t.nbytes for t in todo), unit="B", unit_scale=True, desc=description, disable=None)
     started = time.time()
 
     def finish(task: Task, results: list[tuple[str, int, Optional[int]]], task_started: float,
@@ -304,7 +306,7 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
 
     finished: set[str] = set()
     try:
-        if pool is None and concurrency == 1:
+        if pool is None:
             context = make_context(*context_args)
             for task in todo:
                 task_started = time.time()
@@ -312,16 +314,13 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
                 finish(task, results, task_started, time.time())
                 finished.add(task.task_id)
         else:
-            with contextlib.ExitStack() as stack:
-                if pool is None:
-                    pool = stack.enter_context(WorkerPool(concurrency, make_context, context_args, run_task))
-                concurrency = min(concurrency, pool.workers)
-                ready = 0.0
-                for task, results, ready_at, task_started, task_ended in _run_bounded(pool, todo, concurrency):
-                    ready = max(ready, ready_at)
-                    finish(task, results, task_started, task_ended)
-                    finished.add(task.task_id)
-                stats.startup_seconds = max(0.0, ready - pool.created_at)
+            concurrency = min(concurrency, pool.workers)
+            ready = 0.0
+            for task, results, ready_at, task_started, task_ended in _run_bounded(pool, todo, concurrency):
+                ready = max(ready, ready_at)
+                finish(task, results, task_started, task_ended)
+                finished.add(task.task_id)
+            stats.startup_seconds = max(0.0, ready - pool.created_at)
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
@@ -334,6 +333,8 @@ def run_tasks(tasks: list[Task], *, out_dir: str, plan_hash: str, workers: int,
                                     f"files") from error
     finally:
         bar.close()
+        if own_pool:
+            pool.__exit__(None, None, None)
     stats.seconds = time.time() - started
     stats.records = dict(manifest.done)
     if todo:
