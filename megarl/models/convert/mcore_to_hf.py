@@ -103,18 +103,17 @@ class _Context:
     out_dir: str
 
 
-def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int, Optional[int]]]:
-    """One HF shard: each entry's full (TP=1) parameter, ``full_parameter(entry)``, split into its HF tensors."""
+def _write_hf_shard(context, task: Task, hf_tensors) -> list[tuple[str, int, Optional[int]]]:
+    """One HF shard: each entry's HF tensors, ``hf_tensors(entry)`` (name, tensor pairs, one parameter's at a
+    time), in the planned order."""
     (out,) = task.files
     writer = StreamingSafetensorsWriter(os.path.join(context.out_dir, out.rel_path), list(out.tensors),
                                         metadata=_SAFETENSORS_METADATA, checksum=False)  # HF keeps no CRC
     try:
         for entry in task.payload:
-            full = full_parameter(entry)
-            for hf_name, tensor in context.tensors.mcore_to_hf(entry.global_name, full):
+            for hf_name, tensor in hf_tensors(entry):
                 writer.add(hf_name, tensor)
                 note_tensor_written()
-            del full
         return [(out.rel_path, *writer.close())]
     except BaseException:
         writer.abort()
@@ -122,8 +121,8 @@ def _write_hf_shard(context, task: Task, full_parameter) -> list[tuple[str, int,
 
 
 def _run_task(context: _Context, task: Task) -> list[tuple[str, int, Optional[int]]]:
-    return _write_hf_shard(context, task, lambda entry: context.tensors.merge_tp(
-        entry.global_name, [read_tensor(loc) for loc in entry.shards]))
+    return _write_hf_shard(context, task, lambda entry: context.tensors.mcore_to_hf(
+        entry.global_name, context.tensors.merge_tp(entry.global_name, [read_tensor(loc) for loc in entry.shards])))
 
 
 def _hf_config_to_write(hf_config: dict, record: dict) -> dict:
@@ -225,18 +224,54 @@ def _dist_hf_config(ckpt_dir: str, hf_config_dir: Optional[str]) -> tuple[dict, 
 
 
 def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, Optional[int]]]:
-    def assemble(entry: DistEntry) -> torch.Tensor:  # the parameter from megatron's chunks of it
-        if len(entry.items) == 1 and entry.items[0].view == _whole(entry.shape):  # one chunk is the parameter
-            item = entry.items[0]
-            return context.reader.read(item.key, item.offset, item.chunk_shape).reshape(entry.shape)
-        full = torch.empty(entry.shape, dtype=entry.dtype)
-        for item in entry.items:
-            shape, stride, storage_offset = item.view
-            target = torch.as_strided(full, shape, stride, storage_offset)
-            target.copy_(context.reader.read(item.key, item.offset, item.chunk_shape).reshape(shape))
-        return full
+    return _write_hf_shard(context, task, lambda entry: _dist_hf_tensors(context, entry))
 
-    return _write_hf_shard(context, task, assemble)
+
+def _dist_hf_tensors(context: "_DistContext", entry: DistEntry):
+    """The HF tensors of one parameter from megatron's chunks of it. Where each is one contiguous range of one
+    stored chunk (all but a dense model's fused q/k/v: SwiGLU's gate and up are fc1's two chunks), it is that
+    range of a read-only mapping of the chunk (:meth:`TorchDistReader.read` ``mapped``): nothing is read into
+    memory or assembled, and the shard's write copies straight from the page cache. Else the parameter is
+    assembled and split."""
+    probe = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+    planned = list(context.tensors.mcore_to_hf(entry.global_name, probe))
+    spans = [_span_in_one_item(tensor, probe, entry.items) for _, tensor in planned]
+    if all(span is not None for span in spans):
+        mapped: dict[int, torch.Tensor] = {}  # the chunk in use (one at a time)
+        for (hf_name, tensor), (index, start) in zip(planned, spans):
+            if index not in mapped:
+                item = entry.items[index]
+                mapped = {index: context.reader.read(item.key, item.offset, item.chunk_shape, mapped=True).reshape(-1)}
+            yield hf_name, mapped[index][start:start + tensor.numel()].view(tensor.shape)
+        return
+    yield from context.tensors.mcore_to_hf(entry.global_name, _assemble(context.reader, entry))
+
+
+def _span_in_one_item(tensor: torch.Tensor, probe: torch.Tensor, items: tuple) -> Optional[tuple[int, int]]:
+    """``(item index, first element in it)`` where ``tensor`` (an HF tensor made from the meta parameter
+    ``probe``) is a contiguous view of ``probe`` inside one contiguous chunk; else ``None``."""
+    if not (tensor is probe or tensor._base is probe) or not tensor.is_contiguous():
+        return None
+    start = tensor.storage_offset()
+    for index, item in enumerate(items):
+        shape, stride, offset = item.view
+        contiguous = tuple(stride) == _whole(shape)[1]
+        if contiguous and offset <= start and start + tensor.numel() <= offset + math.prod(shape):
+            return index, start - offset
+    return None
+
+
+def _assemble(reader, entry: DistEntry) -> torch.Tensor:
+    """The parameter from megatron's chunks of it."""
+    if len(entry.items) == 1 and entry.items[0].view == _whole(entry.shape):  # one chunk is the parameter
+        item = entry.items[0]
+        return reader.read(item.key, item.offset, item.chunk_shape).reshape(entry.shape)
+    full = torch.empty(entry.shape, dtype=entry.dtype)
+    for item in entry.items:
+        shape, stride, storage_offset = item.view
+        target = torch.as_strided(full, shape, stride, storage_offset)
+        target.copy_(reader.read(item.key, item.offset, item.chunk_shape, mapped=True).reshape(shape))
+    return full
 
 
 def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:

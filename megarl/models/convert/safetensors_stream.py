@@ -2,12 +2,13 @@
 
 Reading: :func:`read_safetensors_header` parses a file's header (8-byte little-endian length + JSON);
 :func:`read_tensor` ``pread`` s exactly one tensor's bytes into a fresh buffer; :func:`map_rows` maps a row
-range of one tensor, for a caller that only passes the bytes on (a converter writing them unchanged: the
-write then copies straight from the page cache, one copy instead of a read and a write). We deliberately do
-not keep files memory-mapped: the pages of a mapping that has been touched count in the process' resident
-set until it is unmapped, so walking a 5 GB shard through ``safe_open`` shows 5 GB of RSS (file-backed,
-reclaimable, but it is what cgroup limits and ``VmHWM`` see). A ``pread`` into anonymous memory, or a mapping
-of one tensor's rows that goes with the tensor, keeps the resident set at one tensor.
+range of one tensor (:func:`map_bytes` any byte range of a file, e.g. a torch_dist item), for a caller that
+only passes the bytes on (a converter writing them unchanged: the write then copies straight from the page
+cache, one copy instead of a read and a write). We deliberately do not keep files memory-mapped: the pages
+of a mapping that has been touched count in the process' resident set until it is unmapped, so walking a
+5 GB shard through ``safe_open`` shows 5 GB of RSS (file-backed, reclaimable, but it is what cgroup limits
+and ``VmHWM`` see). A ``pread`` into anonymous memory, or a mapping of one tensor's rows that goes with the
+tensor, keeps the resident set at one tensor.
 
 Writing: :class:`StreamingSafetensorsWriter` knows every tensor's name, dtype and shape before the
 first byte is written (the converters plan on meta tensors), so it writes the header first and then
@@ -139,26 +140,31 @@ def read_rows_into(location: TensorLocation, out: torch.Tensor, first_row: int =
         os.close(fd)
 
 
-def map_rows(location: TensorLocation, first_row: int, rows: int) -> torch.Tensor:
-    """Rows ``[first_row, first_row + rows)`` of the stored tensor as a READ-ONLY tensor over a mapping of the
-    file (unmapped when the tensor is freed). Its pages are faulted in at once (``MAP_POPULATE``): touching
-    them one fault at a time while a write copies them out took 3x longer on a virtual machine. Writing into
-    the tensor kills the process: only for data that is passed on unchanged."""
-    row_bytes = tensor_nbytes(location.dtype, location.shape[1:])
-    if first_row < 0 or rows < 0 or first_row + rows > (location.shape[0] if location.shape else 1):
-        raise ValueError(f"{location.name}: rows [{first_row}, {first_row + rows}) outside its {location.shape}")
-    start = location.start + first_row * row_bytes
-    nbytes = rows * row_bytes
+def map_bytes(path: str, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes ``[start, start + nbytes)`` of the file ``path`` as a flat READ-ONLY tensor of ``dtype`` over a
+    mapping of the file (unmapped when the tensor is freed). Its pages are faulted in at once (``MAP_POPULATE``):
+    touching them one fault at a time while a write copies them out took 3x longer on a virtual machine. Writing
+    into the tensor kills the process: only for data that is passed on unchanged."""
+    if nbytes % dtype.itemsize:
+        raise ValueError(f"{path}: {nbytes} bytes at {start} are not whole {dtype} elements")
     if not nbytes:
-        return torch.empty((rows, *location.shape[1:]), dtype=location.dtype)
+        return torch.empty(0, dtype=dtype)
     aligned = start - start % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page boundary
-    with open(location.path, "rb") as handle:
+    with open(path, "rb") as handle:
         mapping = mmap.mmap(handle.fileno(), start + nbytes - aligned, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                             prot=mmap.PROT_READ, offset=aligned)
     with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(mapping, dtype=location.dtype, count=nbytes // location.dtype.itemsize,
-                                offset=start - aligned)
+        return torch.frombuffer(mapping, dtype=dtype, count=nbytes // dtype.itemsize, offset=start - aligned)
+
+
+def map_rows(location: TensorLocation, first_row: int, rows: int) -> torch.Tensor:
+    """Rows ``[first_row, first_row + rows)`` of the stored tensor as a READ-ONLY tensor over a populated mapping
+    of the file (:func:`map_bytes`)."""
+    row_bytes = tensor_nbytes(location.dtype, location.shape[1:])
+    if first_row < 0 or rows < 0 or first_row + rows > (location.shape[0] if location.shape else 1):
+        raise ValueError(f"{location.name}: rows [{first_row}, {first_row + rows}) outside its {location.shape}")
+    flat = map_bytes(location.path, location.start + first_row * row_bytes, rows * row_bytes, location.dtype)
     return flat.view(rows, *location.shape[1:])
 
 

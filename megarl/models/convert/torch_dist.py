@@ -20,7 +20,8 @@ checkpoint complete, and ``latest_checkpointed_iteration.txt`` names it.
 
 **Reading** (:class:`TorchDistReader`): any torch_dist checkpoint (converted, or saved by megarl's or
 Megatron-LM's training at any layout): a box of a key is assembled from the stored chunks that overlap it,
-each read from its byte range in its file (``torch.load`` of one item, as DCP's reader does).
+each read from its byte range in its file (``torch.load`` of one item, as DCP's reader does), or, for a caller
+that only passes the bytes on, mapped (the tensor's bytes in the file, where the item is a plain tensor).
 
 Left out: optimizer state (conversion is of weights), FP8 storage (weights are written in bf16/fp32).
 """
@@ -391,9 +392,12 @@ class TorchDistReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    def read(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...], *,
+             mapped: bool = False) -> torch.Tensor:
         """The box ``[offset, offset + shape)`` of ``key``, assembled from every stored chunk overlapping it. Where
-        the box reaches past the stored tensor (a vocabulary padded for another TP size) it reads zeros."""
+        the box reaches past the stored tensor (a vocabulary padded for another TP size) it reads zeros.
+        ``mapped``: a box that is one stored chunk may come back as a READ-ONLY view of the file's pages
+        (:meth:`_map_chunk`), for a caller that only passes the bytes on; writing into it kills the process."""
         _, meta, _ = _dcp()
         stored = self.tensors.get(key)
         if stored is None:
@@ -404,7 +408,7 @@ class TorchDistReader:
                              f"{shape} at {offset} from it")
         for chunk in stored.chunks:  # the box is one stored chunk (a checkpoint read at the layout it was saved at)
             if tuple(chunk.offsets) == tuple(offset) and tuple(chunk.sizes) == tuple(shape):
-                return self._load_chunk(meta.MetadataIndex(key, chunk.offsets))
+                return self._load_chunk(meta.MetadataIndex(key, chunk.offsets), mapped=mapped)
         out = torch.zeros(shape, dtype=stored.properties.dtype)
         filled = 0
         for chunk in stored.chunks:
@@ -412,7 +416,7 @@ class TorchDistReader:
             if overlap is None:
                 continue
             start, size = overlap
-            data = self._load_chunk(meta.MetadataIndex(key, chunk.offsets))
+            data = self._load_chunk(meta.MetadataIndex(key, chunk.offsets), mapped=True)  # only copied from
             source = data[tuple(slice(s - o, s - o + n) for s, o, n in zip(start, chunk.offsets, size))]
             out[tuple(slice(s - o, s - o + n) for s, o, n in zip(start, offset, size))] = source
             filled += math.prod(size)
@@ -421,7 +425,7 @@ class TorchDistReader:
                              f"{math.prod(inside[1])} elements")
         return out
 
-    def _load_chunk(self, index) -> torch.Tensor:
+    def _load_chunk(self, index, *, mapped: bool = False) -> torch.Tensor:
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms {info.transform_descriptors}, "
@@ -429,8 +433,83 @@ class TorchDistReader:
         path = os.path.join(self.path, info.relative_path)
         if os.path.getsize(path) < info.offset + info.length:
             raise ValueError(f"{path}: truncated ({index.fqn} needs bytes {info.offset}..{info.offset + info.length})")
+        if mapped:
+            chunk = self._map_chunk(path, info.offset, info.length)
+            if chunk is not None:
+                return chunk
         with _ByteRange(path, info.offset, info.length) as item:
             return torch.load(item, map_location="cpu", weights_only=True)
+
+    @staticmethod
+    def _map_chunk(path: str, start: int, length: int) -> Optional[torch.Tensor]:
+        """The item at ``[start, start + length)`` of ``path`` (DCP stores each one as ``torch.save`` of a
+        tensor: a zip archive of a pickle and the storage's bytes, uncompressed) as a READ-ONLY view of the
+        storage's bytes in the file: no read into fresh memory, and a write of it copies from the page cache.
+        ``None`` where the item is not a plain tensor of a float dtype (then it is loaded)."""
+        from megarl.models.convert.safetensors_stream import map_bytes
+
+        with _ByteRange(path, start, length) as item:
+            try:
+                archive = torch._C.PyTorchFileReader(item)
+                stored = _TensorPickle(io.BytesIO(archive.get_record("data.pkl"))).load()
+                if not isinstance(stored, _StoredTensor) or (archive.has_record("byteorder")
+                                                             and archive.get_record("byteorder") != b"little"):
+                    return None
+                record_start = archive.get_record_offset(stored.record)
+            except (RuntimeError, pickle.UnpicklingError, ValueError, TypeError):
+                return None
+        nbytes = stored.storage_numel * stored.dtype.itemsize
+        if record_start + nbytes > length:
+            raise ValueError(f"{path}: the item at byte {start} holds {length} bytes, its tensor needs "
+                             f"{record_start + nbytes}")
+        flat = map_bytes(path, start + record_start, nbytes, stored.dtype)
+        return torch.as_strided(flat, stored.size, stored.stride, stored.storage_offset)
+
+
+# Storages a stored item may be mapped from (by the name ``torch.save`` pickles them under): the float dtypes
+# checkpoints hold; an item of another kind is loaded with ``torch.load``.
+_MAPPABLE_STORAGES = {"BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
+                      "FloatStorage": torch.float32, "DoubleStorage": torch.float64}
+
+
+@dataclass(frozen=True)
+class _StoredTensor:
+    """A ``torch.save`` d tensor as its archive describes it: the record holding its storage, and its view."""
+    record: str
+    dtype: torch.dtype
+    storage_numel: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Reads the ``data.pkl`` of ``torch.save(tensor)`` into a :class:`_StoredTensor`, loading no bytes and
+    building nothing but that: any other global (a parameter, a tensor subclass, a quantized tensor) is
+    refused with ``UnpicklingError``."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _stored_tensor
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name in _MAPPABLE_STORAGES:
+            return _MAPPABLE_STORAGES[name]  # the dtype stands for the storage class
+        raise pickle.UnpicklingError(f"{module}.{name} is not a plain tensor's")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], torch.dtype)):
+            raise pickle.UnpicklingError(f"storage {pid!r}")
+        _, dtype, key, _location, numel = pid
+        return f"data/{key}", dtype, int(numel)
+
+
+def _stored_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None,
+                   metadata=None) -> _StoredTensor:
+    if not isinstance(storage, tuple) or backward_hooks or metadata:
+        raise pickle.UnpicklingError("not a plain tensor")
+    record, dtype, numel = storage
+    return _StoredTensor(record, dtype, numel, tuple(size), tuple(stride), int(storage_offset))
 
 
 class _ByteRange(io.RawIOBase):
