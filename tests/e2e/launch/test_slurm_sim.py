@@ -96,7 +96,7 @@ trainer:
   nnodes: 2
   n_gpus_per_node: 2
   device: cpu
-  worker_timeout_s: 300
+  worker_timeout_s: 120
 """
 
 
@@ -190,10 +190,23 @@ def sim(tmp_path):
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def wait_or_explain(proc: subprocess.Popen, sim, timeout_s: float) -> int:
+    """The job script's exit status; past ``timeout_s`` it is killed and the test fails with what it and the
+    Ray nodes printed (a hang is then diagnosable from the CI log alone)."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        logs = "".join(f"\n--- {log.name}:\n{log.read_text()[-4000:]}" for log in sorted(sim.log_dir.glob("*.log")))
+        pytest.fail(f"the job script did not finish within {timeout_s} s\n--- its output:\n"
+                    f"{sim.output.read_text()}{logs}")
+
+
 @pytest.mark.timeout(300)
 def test_dry_run_places_ranks_on_both_nodes(sim):
     proc = sim("--dry-run")
-    rc = proc.wait(timeout=280)
+    rc = wait_or_explain(proc, sim, 280)
     print(sim.output.read_text())
     output = sim.output.read_text()
     assert rc == 0, output
@@ -214,7 +227,7 @@ def test_dry_run_places_ranks_on_both_nodes(sim):
 def test_too_small_cluster_fails_with_what_is_missing(sim):
     # Each node gets 1 CPU but the run wants 2 worker processes per node.
     proc = sim("--dry-run", MEGARL_SLURM_CPUS_PER_NODE="1", MEGARL_RAY_WAIT_TIMEOUT_S="25")
-    rc = proc.wait(timeout=200)
+    rc = wait_or_explain(proc, sim, 200)
     output = sim.output.read_text()
     assert rc == 1, output
     assert "the run asks for 2 nodes x 2 CPUs" in output and "has 0 such node(s)" in output, output
