@@ -1,16 +1,18 @@
 """Benchmark the streaming checkpoint converters against copying the same bytes on the same disk.
 
     python bench/convert_bench.py [--hf DIR | --size-gb 1.0] [--workers 1] [--budget-mb 256] [--tp 2]
-        [--work DIR] [--json OUT.json]
+        [--work DIR] [--json OUT.json] [--steps cp,torch_dist,per_rank,mcore_to_hf] [--repeat 1]
 
 Without ``--hf`` a synthetic fp32 Llama-layout checkpoint of about ``--size-gb`` is written first. Then, on the
 same disk and with the same number of processes (``--workers``): (1) ``cp`` of the safetensors files + sync;
 (2) raw: the files' bytes split into ``--workers`` equal spans, each copied by its own process with a 16 MiB
 pread/pwrite loop and fsync (what any converter must at least do, as parallel as the converter); (3) hf->mcore
-to megatron's torch_dist format (the default); (4) hf->mcore to the per-rank format at ``--tp`` (the previous default); (5) mcore->hf from
-the torch_dist checkpoint. Each conversion runs in a fresh subprocess that reports its wall time and peak RSS
-above its post-import baseline. Prints a markdown table (and JSON with ``--json``). The page cache is not
-dropped (that needs root), so reads may be warm for every row alike.
+to megatron's torch_dist format (the default); (4) hf->mcore to the per-rank format at ``--tp`` (the previous
+default); (5) mcore->hf from the torch_dist checkpoint. Each conversion runs in a fresh subprocess that reports
+its wall time and peak RSS above its post-import baseline. Every step starts after a ``sync`` and a pause
+(``--settle-s``); ``--repeat N`` runs the steps N times in turn and reports each one's median. Prints a
+markdown table (and JSON with ``--json``). The page cache is not dropped (that needs root), so reads may be
+warm for every row alike.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import glob
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -89,6 +93,13 @@ def raw_copy(src_dir: str, dst_dir: str, workers: int = 1) -> tuple[int, float]:
         with ProcessPoolExecutor(len(spans)) as pool:
             total = sum(pool.map(_copy_ranges, spans))
     return total, time.perf_counter() - started
+
+
+def settle(seconds: float) -> None:
+    """Let the disk go quiet: flush every dirty page, then wait for what the flush left running (ext4 mounted
+    with ``discard`` trims deleted files' blocks in the background)."""
+    subprocess.run(["sync"], check=True)
+    time.sleep(seconds)
 
 
 def cp_copy(src_dir: str, dst_dir: str) -> tuple[int, float]:
@@ -168,6 +179,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--work", default=None, help="scratch directory (default: a temp dir, removed)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the steps this many times in turn; each row is the median of its passes")
+    parser.add_argument("--settle-s", type=float, default=3.0,
+                        help="before each measured step: sync, then wait this long, so that no step pays for the "
+                             "writeback or the discards of the one before (on the CI machine a conversion right "
+                             "after another ran 1.8x slower than after a pause)")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"which of {','.join(STEPS)} to run (mcore_to_hf needs torch_dist)")
     args = parser.parse_args()
@@ -195,37 +212,52 @@ def main() -> None:
                                              num_heads=heads, num_kv_heads=max(1, heads // 4), dtype=dtype,
                                              shard_bytes=4 * 10**9 if h >= 2048 else 256 * 2**20)
         size = dir_bytes(hf)
-        rows, runs = [], {}
-        if "cp" in steps:
-            cp_bytes, cp_s = cp_copy(hf, os.path.join(work, "cp"))
-            shutil.rmtree(os.path.join(work, "cp"))
-            rows.append(("cp + sync", cp_bytes, cp_s, None))
-        raw_bytes, raw_s = raw_copy(hf, os.path.join(work, "raw"), args.workers)  # every ratio's baseline
-        shutil.rmtree(os.path.join(work, "raw"))
-        rows.append((f"raw copy, {args.workers} process(es) + fsync", raw_bytes, raw_s, None))
-        for step, name, src, dst in (
-                ("torch_dist", "hf_to_mcore torch_dist (default)", hf, "td"),
-                ("per_rank", f"hf_to_mcore per_rank tp={args.tp}", hf, "mc"),
-                ("mcore_to_hf", "mcore_to_hf from torch_dist", os.path.join(work, "td"), "back")):
-            if step in steps:
-                runs[step] = run_child(CHILD_DIRECTIONS[step], src, os.path.join(work, dst), args.tp, args.workers,
-                                       budget, part)
-                written = size if step != "mcore_to_hf" else dir_bytes(os.path.join(work, dst))
-                rows.append((name, written, runs[step]["seconds"], runs[step]["rss_over_baseline"]))
-                if step == "per_rank":
-                    shutil.rmtree(os.path.join(work, dst))
+        samples: dict[str, list[tuple[int, float, Optional[int]]]] = {}  # row -> (bytes, seconds, rss) per pass
+        runs = {}
+        for attempt in range(args.repeat):  # the steps in turn, so that a slow spell of the disk hits them all
+            if attempt:
+                for dst in ("td", "back"):
+                    shutil.rmtree(os.path.join(work, dst), ignore_errors=True)
+            if "cp" in steps:
+                settle(args.settle_s)
+                cp_bytes, cp_s = cp_copy(hf, os.path.join(work, "cp"))
+                shutil.rmtree(os.path.join(work, "cp"))
+                samples.setdefault("cp + sync", []).append((cp_bytes, cp_s, None))
+            settle(args.settle_s)
+            raw_bytes, raw_s = raw_copy(hf, os.path.join(work, "raw"), args.workers)  # every ratio's baseline
+            shutil.rmtree(os.path.join(work, "raw"))
+            raw_name = f"raw copy, {args.workers} process(es) + fsync"
+            samples.setdefault(raw_name, []).append((raw_bytes, raw_s, None))
+            for step, name, src, dst in (
+                    ("torch_dist", "hf_to_mcore torch_dist (default)", hf, "td"),
+                    ("per_rank", f"hf_to_mcore per_rank tp={args.tp}", hf, "mc"),
+                    ("mcore_to_hf", "mcore_to_hf from torch_dist", os.path.join(work, "td"), "back")):
+                if step in steps:
+                    settle(args.settle_s)
+                    runs[step] = run_child(CHILD_DIRECTIONS[step], src, os.path.join(work, dst), args.tp,
+                                           args.workers, budget, part)
+                    written = size if step != "mcore_to_hf" else dir_bytes(os.path.join(work, dst))
+                    samples.setdefault(name, []).append((written, runs[step]["seconds"],
+                                                         runs[step]["rss_over_baseline"]))
+                    if step == "per_rank":
+                        shutil.rmtree(os.path.join(work, dst))
+        rows = [(name, passes[0][0], statistics.median(p[1] for p in passes), [p[1] for p in passes],
+                 max((p[2] for p in passes if p[2] is not None), default=None)) for name, passes in samples.items()]
+        raw_bytes, raw_s = next((nbytes, seconds) for name, nbytes, seconds, _, _ in rows if name.startswith("raw"))
         raw_gbs = raw_bytes / raw_s / 1e9
         print(f"checkpoint: {size / 1e9:.2f} GB in {len(glob.glob(os.path.join(hf, '*.safetensors')))} files; "
               f"workers={args.workers}; budget={args.budget_mb} MiB; cores={os.cpu_count()}\n")
-        print("| step | GB | seconds | GB/s | vs raw | peak RSS over baseline |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| step | GB | seconds (median) | every pass | GB/s | vs raw | peak RSS over baseline |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         table = []
-        for name, nbytes, seconds, rss in rows:
+        for name, nbytes, seconds, every, rss in rows:
             gbs = nbytes / seconds / 1e9
             rss_text = "-" if rss is None else f"{rss / 2**20:.0f} MiB"  # the converting process (workers=1)
-            print(f"| {name} | {nbytes / 1e9:.2f} | {seconds:.1f} | {gbs:.3f} | {gbs / raw_gbs:.2f}x | {rss_text} |")
-            table.append({"step": name, "bytes": nbytes, "seconds": seconds, "gb_per_s": gbs,
-                          "vs_raw": gbs / raw_gbs, "rss_over_baseline": rss})
+            passes = " / ".join(f"{s:.1f}" for s in every)
+            print(f"| {name} | {nbytes / 1e9:.2f} | {seconds:.1f} | {passes} | {gbs:.3f} | {gbs / raw_gbs:.2f}x | "
+                  f"{rss_text} |")
+            table.append({"step": name, "bytes": nbytes, "seconds": seconds, "every_pass_seconds": every,
+                          "gb_per_s": gbs, "vs_raw": gbs / raw_gbs, "rss_over_baseline": rss})
         for step, run in runs.items():
             for line in run["timing"]:
                 print(f"{CHILD_DIRECTIONS[step]}: {line}")
