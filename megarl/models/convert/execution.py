@@ -351,7 +351,7 @@ def _run_bounded(pool: WorkerPool, todo: list[Task], limit: int) -> Iterator[tup
     pending = iter(todo)
     running: dict = {}
 
-    def broken(error: BrokenProcessPool, task_ids: list[str]) -> RuntimeError:
+    def broken(task_ids: list[str]) -> RuntimeError:
         running_what = " or ".join(task_ids) or "a task"
         return RuntimeError(f"a conversion worker stopped while running {running_what} (its error is printed above "
                             f"if it raised one; otherwise a signal or the OOM killer ended it); rerun the same "
@@ -364,7 +364,7 @@ def _run_bounded(pool: WorkerPool, todo: list[Task], limit: int) -> Iterator[tup
         try:
             running[pool.executor.submit(_run_in_worker, task)] = task
         except BrokenProcessPool as error:  # a worker died while this process was between results
-            raise broken(error, sorted(t.task_id for t in running.values())) from error
+            raise broken(sorted(t.task_id for t in running.values())) from error
 
     for _ in range(limit):
         submit()
@@ -375,6 +375,6 @@ def _run_bounded(pool: WorkerPool, todo: list[Task], limit: int) -> Iterator[tup
             try:
                 result = future.result()
             except BrokenProcessPool as error:
-                raise broken(error, [task.task_id]) from error
+                raise broken([task.task_id]) from error
             yield result
             submit()

@@ -456,7 +456,7 @@ class TorchDistReader:
                                                              and archive.get_record("byteorder") != b"little"):
                     return None
                 record_start = archive.get_record_offset(stored.record)
-            except (RuntimeError, pickle.UnpicklingError, ValueError, TypeError):
+            except (RuntimeError, pickle.UnpicklingError, ValueError, TypeError, EOFError):
                 return None
         nbytes = stored.storage_numel * stored.dtype.itemsize
         if record_start + nbytes > length:
