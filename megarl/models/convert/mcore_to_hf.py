@@ -42,8 +42,8 @@ from megarl.models.convert.execution import (
 from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names, write_json_atomically
 from megarl.models.convert.placement import place_global_tensor
 from megarl.models.convert.safetensors_stream import (
-    PlannedTensor, StreamingSafetensorsWriter, TensorLocation, fsync_directory, read_safetensors_header,
-    read_tensor,
+    FileBytes, PlannedTensor, StreamingSafetensorsWriter, TensorLocation, c_strides, fsync_directory,
+    read_safetensors_header, read_tensor,
 )
 from megarl.models.weight_mapping import TensorConverter
 
@@ -230,19 +230,25 @@ def _run_dist_task(context: "_DistContext", task: Task) -> list[tuple[str, int, 
 def _dist_hf_tensors(context: "_DistContext", entry: DistEntry):
     """The HF tensors of one parameter from megatron's chunks of it. Where each is one contiguous range of one
     stored chunk (all but a dense model's fused q/k/v: SwiGLU's gate and up are fc1's two chunks), it is that
-    range of a read-only mapping of the chunk (:meth:`TorchDistReader.read` ``mapped``): nothing is read into
-    memory or assembled, and the shard's write copies straight from the page cache. Else the parameter is
-    assembled and split."""
+    byte range of the checkpoint's file (:meth:`TorchDistReader.chunk_in_file`), which the shard's writer copies
+    file to file in the kernel, or (a chunk not stored as a plain tensor) that range of a read-only mapping of
+    the chunk: nothing is read into this process or assembled. Else the parameter is assembled and split."""
     probe = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
     planned = list(context.tensors.mcore_to_hf(entry.global_name, probe))
     spans = [_span_in_one_item(tensor, probe, entry.items) for _, tensor in planned]
     if all(span is not None for span in spans):
-        mapped: dict[int, torch.Tensor] = {}  # the chunk in use (one at a time)
+        chunk: dict[int, object] = {}  # the chunk in use (one at a time): where it is in its file, or mapped
         for (hf_name, tensor), (index, start) in zip(planned, spans):
-            if index not in mapped:
+            if index not in chunk:
                 item = entry.items[index]
-                mapped = {index: context.reader.read(item.key, item.offset, item.chunk_shape, mapped=True).reshape(-1)}
-            yield hf_name, mapped[index][start:start + tensor.numel()].view(tensor.shape)
+                in_file = context.reader.chunk_in_file(item.key, item.offset, item.chunk_shape)
+                chunk = {index: in_file if in_file is not None and in_file.dtype == tensor.dtype else
+                         context.reader.read(item.key, item.offset, item.chunk_shape, mapped=True).reshape(-1)}
+            if isinstance(chunk[index], FileBytes):
+                first_byte = chunk[index].start + start * tensor.dtype.itemsize
+                yield hf_name, FileBytes(chunk[index].path, first_byte, tensor.dtype, tuple(tensor.shape))
+            else:
+                yield hf_name, chunk[index][start:start + tensor.numel()].view(tensor.shape)
         return
     yield from context.tensors.mcore_to_hf(entry.global_name, _assemble(context.reader, entry))
 
@@ -276,7 +282,7 @@ def _assemble(reader, entry: DistEntry) -> torch.Tensor:
 
 def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """The (shape, stride, storage offset) view that is the whole contiguous tensor of ``shape``."""
-    return tuple(shape), tuple(math.prod(shape[d + 1:]) for d in range(len(shape))), 0
+    return tuple(shape), c_strides(shape), 0
 
 
 @dataclass

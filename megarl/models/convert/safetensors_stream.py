@@ -4,7 +4,8 @@ Reading: :func:`read_safetensors_header` parses a file's header (8-byte little-e
 :func:`read_tensor` ``pread`` s exactly one tensor's bytes into a fresh buffer; :func:`map_rows` maps a row
 range of one tensor (:func:`map_bytes` any byte range of a file, e.g. a torch_dist item), for a caller that
 only passes the bytes on (a converter writing them unchanged: the write then copies straight from the page
-cache, one copy instead of a read and a write). We deliberately do not keep files memory-mapped: the pages
+cache, one copy instead of a read and a write); a :class:`FileBytes` (a tensor's byte range in a file) is
+copied by the writer from file to file in the kernel. We deliberately do not keep files memory-mapped: the pages
 of a mapping that has been touched count in the process' resident set until it is unmapped, so walking a
 5 GB shard through ``safe_open`` shows 5 GB of RSS (file-backed, reclaimable, but it is what cgroup limits
 and ``VmHWM`` see). A ``pread`` into anonymous memory, or a mapping of one tensor's rows that goes with the
@@ -21,7 +22,9 @@ Left out: big-endian hosts, tensors that are not C-contiguous on write (they are
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import mmap
 import os
 import struct
@@ -68,6 +71,12 @@ def tensor_nbytes(dtype: torch.dtype, shape: Iterable[int]) -> int:
     for dim in shape:
         count *= int(dim)
     return count * element_size(dtype)
+
+
+def c_strides(shape: Iterable[int]) -> tuple[int, ...]:
+    """The strides (in elements) of a C-contiguous tensor of ``shape``."""
+    shape = tuple(shape)
+    return tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[dict[str, TensorLocation], dict[str, str]]:
@@ -169,6 +178,52 @@ def map_rows(location: TensorLocation, first_row: int, rows: int) -> torch.Tenso
 
 
 @dataclass(frozen=True)
+class FileBytes:
+    """A tensor's bytes as they lie in a file: ``dtype`` x ``shape`` in C order from byte ``start``. A writer
+    copies them from file to file in the kernel (:func:`append_file_bytes`), never through this process."""
+    path: str
+    start: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+# copy_file_range's refusals that mean "not between these files" (older kernels, other file systems)
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def append_file_bytes(source: FileBytes, out_fd: int) -> None:
+    """Append ``source``'s bytes at ``out_fd``'s position with ``copy_file_range`` (what ``cp`` does: no copy
+    into user memory; measured 1.1 GB/s against 0.7 GB/s for writing a mapping on the CI machine); where the
+    kernel refuses it between these files, the rest is written from a mapping of them."""
+    fd = os.open(source.path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < source.nbytes:
+            try:
+                copied = os.copy_file_range(fd, out_fd, source.nbytes - done, source.start + done)
+            except OSError as error:
+                if error.errno not in _NO_KERNEL_COPY:
+                    raise
+                rest = map_bytes(source.path, source.start + done, source.nbytes - done, torch.uint8)
+                _write_all(out_fd, memoryview(rest.numpy()))
+                return
+            if copied == 0:
+                raise ValueError(f"{source.path}: ends before byte {source.start + source.nbytes}")
+            done += copied
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        data = data[os.write(fd, data):]
+
+
+@dataclass(frozen=True)
 class PlannedTensor:
     name: str
     dtype: torch.dtype
@@ -236,7 +291,8 @@ class StreamingSafetensorsWriter:
     def next_name(self) -> Optional[str]:
         return self._plan[self._next].name if self._next < len(self._plan) else None
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor | FileBytes) -> None:
+        """The next planned tensor: a tensor, or a :class:`FileBytes` (copied file to file; read for the CRC)."""
         if self._next >= len(self._plan):
             raise ValueError(f"{self.path}: tensor {name!r} is beyond the planned {len(self._plan)} tensors")
         planned = self._plan[self._next]
@@ -245,6 +301,15 @@ class StreamingSafetensorsWriter:
         if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
             raise ValueError(f"{self.path}: tensor {name!r} is {tensor.dtype}{tuple(tensor.shape)}, "
                              f"planned {planned.dtype}{planned.shape}")
+        if isinstance(tensor, FileBytes):
+            if self.crc32 is None:
+                self._handle.flush()
+                append_file_bytes(tensor, self._handle.fileno())
+                self._handle.seek(0, os.SEEK_END)  # the buffered handle learns where the kernel's copy ended
+                self.size += tensor.nbytes
+                self._next += 1
+                return
+            tensor = map_bytes(tensor.path, tensor.start, tensor.nbytes, tensor.dtype).view(tensor.shape)
         tensor = tensor.detach().contiguous().cpu()
         if tensor.numel():
             # A byte view of the tensor's own storage: no copy on the way to the file.

@@ -21,7 +21,8 @@ checkpoint complete, and ``latest_checkpointed_iteration.txt`` names it.
 **Reading** (:class:`TorchDistReader`): any torch_dist checkpoint (converted, or saved by megarl's or
 Megatron-LM's training at any layout): a box of a key is assembled from the stored chunks that overlap it,
 each read from its byte range in its file (``torch.load`` of one item, as DCP's reader does), or, for a caller
-that only passes the bytes on, mapped (the tensor's bytes in the file, where the item is a plain tensor).
+that only passes the bytes on, mapped or located (the tensor's bytes in the file, where the item is a plain
+tensor: :meth:`TorchDistReader.chunk_in_file`).
 
 Left out: optimizer state (conversion is of weights), FP8 storage (weights are written in bf16/fp32).
 """
@@ -41,6 +42,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
+
+from megarl.models.convert.safetensors_stream import FileBytes, c_strides, map_bytes
 
 ITERATION_DIR = "iter_0000000"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's marker of the newest checkpoint
@@ -406,9 +409,9 @@ class TorchDistReader:
         if len(stored.size) != len(shape) or inside is None:
             raise ValueError(f"{self.path}: {key} is {tuple(stored.size)} in the checkpoint; cannot read "
                              f"{shape} at {offset} from it")
-        for chunk in stored.chunks:  # the box is one stored chunk (a checkpoint read at the layout it was saved at)
-            if tuple(chunk.offsets) == tuple(offset) and tuple(chunk.sizes) == tuple(shape):
-                return self._load_chunk(meta.MetadataIndex(key, chunk.offsets), mapped=mapped)
+        index = self._chunk_index(key, offset, shape)
+        if index is not None:  # the box is one stored chunk (a checkpoint read at the layout it was saved at)
+            return self._load_chunk(index, mapped=mapped)
         out = torch.zeros(shape, dtype=stored.properties.dtype)
         filled = 0
         for chunk in stored.chunks:
@@ -425,7 +428,32 @@ class TorchDistReader:
                              f"{math.prod(inside[1])} elements")
         return out
 
-    def _load_chunk(self, index, *, mapped: bool = False) -> torch.Tensor:
+    def chunk_in_file(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> Optional[FileBytes]:
+        """Where the box ``[offset, offset + shape)`` of ``key`` lies in its file, when it is one stored chunk
+        held as a plain C-contiguous tensor (what DCP writes for a chunk); else ``None`` (then :meth:`read`)."""
+        index = self._chunk_index(key, offset, shape)
+        if index is None:
+            return None
+        path, start, length = self._item_range(index)
+        found = self._stored_item(path, start, length)
+        if found is None:
+            return None
+        storage_start, stored = found
+        if stored.size != tuple(shape) or stored.stride != c_strides(stored.size):
+            return None
+        return FileBytes(path, storage_start + stored.storage_offset * stored.dtype.itemsize, stored.dtype,
+                         stored.size)
+
+    def _chunk_index(self, key: str, offset: tuple[int, ...], shape: tuple[int, ...]):
+        """The stored chunk of ``key`` that is exactly the box ``[offset, offset + shape)``, if one is."""
+        _, meta, _ = _dcp()
+        for chunk in self.tensors[key].chunks:
+            if tuple(chunk.offsets) == tuple(offset) and tuple(chunk.sizes) == tuple(shape):
+                return meta.MetadataIndex(key, chunk.offsets)
+        return None
+
+    def _item_range(self, index) -> tuple[str, int, int]:
+        """The file and byte range of a stored item, checked against the file's size."""
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise ValueError(f"{self.path}: {index.fqn} is stored with transforms {info.transform_descriptors}, "
@@ -433,21 +461,34 @@ class TorchDistReader:
         path = os.path.join(self.path, info.relative_path)
         if os.path.getsize(path) < info.offset + info.length:
             raise ValueError(f"{path}: truncated ({index.fqn} needs bytes {info.offset}..{info.offset + info.length})")
+        return path, info.offset, info.length
+
+    def _load_chunk(self, index, *, mapped: bool = False) -> torch.Tensor:
+        path, start, length = self._item_range(index)
         if mapped:
-            chunk = self._map_chunk(path, info.offset, info.length)
+            chunk = self._map_chunk(path, start, length)
             if chunk is not None:
                 return chunk
-        with _ByteRange(path, info.offset, info.length) as item:
+        with _ByteRange(path, start, length) as item:
             return torch.load(item, map_location="cpu", weights_only=True)
 
-    @staticmethod
-    def _map_chunk(path: str, start: int, length: int) -> Optional[torch.Tensor]:
-        """The item at ``[start, start + length)`` of ``path`` (DCP stores each one as ``torch.save`` of a
-        tensor: a zip archive of a pickle and the storage's bytes, uncompressed) as a READ-ONLY view of the
-        storage's bytes in the file: no read into fresh memory, and a write of it copies from the page cache.
-        ``None`` where the item is not a plain tensor of a float dtype (then it is loaded)."""
-        from megarl.models.convert.safetensors_stream import map_bytes
+    @classmethod
+    def _map_chunk(cls, path: str, start: int, length: int) -> Optional[torch.Tensor]:
+        """The item at ``[start, start + length)`` of ``path`` as a READ-ONLY view of its storage's bytes in the
+        file (no read into fresh memory; a write of it copies from the page cache); ``None`` where it is not a
+        plain tensor of a float dtype (then it is loaded)."""
+        found = cls._stored_item(path, start, length)
+        if found is None:
+            return None
+        storage_start, stored = found
+        flat = map_bytes(path, storage_start, stored.storage_numel * stored.dtype.itemsize, stored.dtype)
+        return torch.as_strided(flat, stored.size, stored.stride, stored.storage_offset)
 
+    @staticmethod
+    def _stored_item(path: str, start: int, length: int) -> Optional[tuple[int, _StoredTensor]]:
+        """The item at ``[start, start + length)`` of ``path`` (DCP stores each one as ``torch.save`` of a
+        tensor: a zip archive of a pickle and the storage's bytes, uncompressed): where in the file its storage's
+        bytes start, and its view of them; ``None`` where the item is not a plain tensor of a float dtype."""
         with _ByteRange(path, start, length) as item:
             try:
                 archive = torch._C.PyTorchFileReader(item)
@@ -458,12 +499,10 @@ class TorchDistReader:
                 record_start = archive.get_record_offset(stored.record)
             except (RuntimeError, pickle.UnpicklingError, ValueError, TypeError, EOFError):
                 return None
-        nbytes = stored.storage_numel * stored.dtype.itemsize
-        if record_start + nbytes > length:
+        if record_start + stored.storage_numel * stored.dtype.itemsize > length:
             raise ValueError(f"{path}: the item at byte {start} holds {length} bytes, its tensor needs "
-                             f"{record_start + nbytes}")
-        flat = map_bytes(path, start + record_start, nbytes, stored.dtype)
-        return torch.as_strided(flat, stored.size, stored.stride, stored.storage_offset)
+                             f"{record_start + stored.storage_numel * stored.dtype.itemsize}")
+        return start + record_start, stored
 
 
 # Storages a stored item may be mapped from (by the name ``torch.save`` pickles them under): the float dtypes

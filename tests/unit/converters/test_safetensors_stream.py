@@ -1,6 +1,7 @@
 """The streaming safetensors writer/reader agree with the safetensors library, publish files atomically,
 and refuse plan mismatches and corrupt headers with errors that name the tensor or file."""
 
+import errno
 import os
 import struct
 
@@ -10,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megarl.models.convert.safetensors_stream import (
-    PlannedTensor, StreamingSafetensorsWriter, map_rows, read_safetensors_header, read_tensor,
+    FileBytes, PlannedTensor, StreamingSafetensorsWriter, map_rows, read_safetensors_header, read_tensor,
 )
 
 
@@ -31,6 +32,54 @@ def test_written_file_reads_back_with_safe_open_and_pread(tmp_path):
             assert torch.equal(handle.get_tensor(name).view(torch.uint8), tensor.view(torch.uint8))
     header, _ = read_safetensors_header(path)
     assert torch.equal(read_tensor(header["a"], row_start=1, row_end=3), tensors["a"][1:3])
+
+
+@pytest.mark.parametrize("kernel_copy", ["copy_file_range", "refused"])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_tensors_added_as_file_bytes_write_the_same_file_as_the_tensors(tmp_path, monkeypatch, kernel_copy, checksum):
+    # the source's tensors sit at odd byte offsets; small tensors written through the buffered handle come
+    # between the ranges the kernel copies, so a wrong file position after a copy would show
+    source = {"pad": torch.arange(3, dtype=torch.int8), "w": torch.randn(700, 33).to(torch.bfloat16),
+              "norm": torch.randn(5), "u": torch.randn(300, 7)}
+    source_path = str(tmp_path / "source.safetensors")
+    save_file(source, source_path)
+    header, _ = read_safetensors_header(source_path)
+    order = [("norm", source["norm"]), ("w", source["w"]), ("b", torch.randn(3)), ("u", source["u"]),
+             ("w_rows", source["w"][100:400]), ("empty", torch.zeros(0, 4))]
+    in_file = {name: FileBytes(source_path, header[name].start, header[name].dtype, header[name].shape)
+               for name in ("norm", "w", "u")}
+    row_bytes = 33 * 2
+    in_file["w_rows"] = FileBytes(source_path, header["w"].start + 100 * row_bytes, torch.bfloat16, (300, 33))
+    in_file["empty"] = FileBytes(source_path, header["u"].start, torch.float32, (0, 4))
+    if kernel_copy == "refused":  # a kernel or file system without copy_file_range between these files
+        def refuse(*args):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    plan = [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in order]
+    results = {}
+    for how in ("tensors", "file_bytes"):
+        path = str(tmp_path / f"{how}.safetensors")
+        writer = StreamingSafetensorsWriter(path, plan, metadata={"format": "pt"}, checksum=checksum)
+        for name, tensor in order:
+            writer.add(name, in_file[name] if how == "file_bytes" and name in in_file else tensor)
+        results[how] = writer.close()
+        assert results[how][0] == os.path.getsize(path)
+    assert results["file_bytes"] == results["tensors"]  # same size and CRC
+    written = (tmp_path / "file_bytes.safetensors").read_bytes()
+    assert written == (tmp_path / "tensors.safetensors").read_bytes()
+    with safe_open(str(tmp_path / "file_bytes.safetensors"), framework="pt") as handle:
+        for name, tensor in order:
+            assert torch.equal(handle.get_tensor(name), tensor), name
+
+
+def test_file_bytes_past_the_end_of_the_file_are_an_error(tmp_path):
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 10)
+    writer = StreamingSafetensorsWriter(str(tmp_path / "out.safetensors"), [PlannedTensor("t", torch.float32, (4,))],
+                                        checksum=False)
+    with pytest.raises(ValueError, match="short: ends before byte 22"):
+        writer.add("t", FileBytes(str(path), 6, torch.float32, (4,)))
+    writer.abort()
 
 
 def test_reader_matches_files_written_by_safetensors(tmp_path):

@@ -1,5 +1,6 @@
-"""A torch_dist checkpoint's stored items read as mappings of their bytes in the file equal the items
-``torch.load`` reads, and items that are not a plain float tensor are loaded instead of misread."""
+"""A torch_dist checkpoint's stored items read as mappings of their bytes in the file, or located as byte ranges
+of it, equal the items ``torch.load`` reads, and items that are not a plain float tensor are loaded instead of
+misread."""
 
 import io
 
@@ -42,3 +43,20 @@ def test_an_item_that_is_not_a_plain_tensor_is_not_mapped(tmp_path):
     path = tmp_path / "item"
     path.write_bytes(saved.getvalue())
     assert TorchDistReader._map_chunk(str(path), 0, len(saved.getvalue())) is None
+
+
+def test_a_stored_chunk_located_in_its_file_holds_the_chunks_bytes(tmp_path):
+    state = {"bf16": torch.randn(33, 7).to(torch.bfloat16), "fp32": torch.randn(5, 2, 3),
+             "ints": torch.arange(11, dtype=torch.int64)}
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    reader = TorchDistReader(str(tmp_path))
+    for key in ("bf16", "fp32"):
+        tensor = state[key]
+        found = reader.chunk_in_file(key, (0,) * tensor.dim(), tuple(tensor.shape))
+        assert found.dtype == tensor.dtype and found.shape == tuple(tensor.shape)
+        with open(found.path, "rb") as handle:
+            handle.seek(found.start)
+            stored = handle.read(found.nbytes)
+        assert stored == tensor.contiguous().view(torch.uint8).numpy().tobytes(), key
+    assert reader.chunk_in_file("ints", (0,), (11,)) is None  # not a mappable storage: read() loads it
+    assert reader.chunk_in_file("bf16", (0, 0), (32, 7)) is None  # not a stored chunk: read() assembles it
