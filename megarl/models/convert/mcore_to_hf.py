@@ -237,20 +237,24 @@ def _dist_hf_tensors(context: "_DistContext", entry: DistEntry):
     planned = list(context.tensors.mcore_to_hf(entry.global_name, probe))
     spans = [_span_in_one_item(tensor, probe, entry.items) for _, tensor in planned]
     if all(span is not None for span in spans):
-        chunk: dict[int, object] = {}  # the chunk in use (one at a time): where it is in its file, or mapped
+        chunk: dict = {}  # the chunk in use (one at a time)
         for (hf_name, tensor), (index, start) in zip(planned, spans):
             if index not in chunk:
-                item = entry.items[index]
-                in_file = context.reader.chunk_in_file(item.key, item.offset, item.chunk_shape)
-                chunk = {index: in_file if in_file is not None and in_file.dtype == tensor.dtype else
-                         context.reader.read(item.key, item.offset, item.chunk_shape, mapped=True).reshape(-1)}
-            if isinstance(chunk[index], FileBytes):
-                first_byte = chunk[index].start + start * tensor.dtype.itemsize
-                yield hf_name, FileBytes(chunk[index].path, first_byte, tensor.dtype, tuple(tensor.shape))
-            else:
-                yield hf_name, chunk[index][start:start + tensor.numel()].view(tensor.shape)
+                chunk = {index: _chunk_source(context.reader, entry.items[index], entry.dtype)}
+            source = chunk[index]
+            yield hf_name, (source.elements(start, tuple(tensor.shape)) if isinstance(source, FileBytes)
+                            else source[start:start + tensor.numel()].view(tensor.shape))
         return
     yield from context.tensors.mcore_to_hf(entry.global_name, _assemble(context.reader, entry))
+
+
+def _chunk_source(reader, item, dtype: torch.dtype) -> "FileBytes | torch.Tensor":
+    """One stored chunk as what a shard's writer copies from: its byte range in its file, or, where it is not
+    held as a plain tensor of ``dtype``, a flat read-only mapping of it."""
+    in_file = reader.chunk_in_file(item.key, item.offset, item.chunk_shape)
+    if in_file is not None and in_file.dtype == dtype:
+        return in_file
+    return reader.read(item.key, item.offset, item.chunk_shape, mapped=True).reshape(-1)
 
 
 def _span_in_one_item(tensor: torch.Tensor, probe: torch.Tensor, items: tuple) -> Optional[tuple[int, int]]:

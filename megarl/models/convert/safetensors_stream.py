@@ -190,6 +190,14 @@ class FileBytes:
     def nbytes(self) -> int:
         return tensor_nbytes(self.dtype, self.shape)
 
+    def elements(self, first: int, shape: tuple[int, ...]) -> "FileBytes":
+        """The ``prod(shape)`` elements from element ``first`` on, as a tensor of ``shape``."""
+        return FileBytes(self.path, self.start + first * self.dtype.itemsize, self.dtype, tuple(shape))
+
+    def mapped(self) -> torch.Tensor:
+        """The tensor as a READ-ONLY view of a mapping of the file (:func:`map_bytes`)."""
+        return map_bytes(self.path, self.start, self.nbytes, self.dtype).view(self.shape)
+
 
 # copy_file_range's refusals that mean "not between these files" (older kernels, other file systems)
 _NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
@@ -301,19 +309,16 @@ class StreamingSafetensorsWriter:
         if tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
             raise ValueError(f"{self.path}: tensor {name!r} is {tensor.dtype}{tuple(tensor.shape)}, "
                              f"planned {planned.dtype}{planned.shape}")
-        if isinstance(tensor, FileBytes):
-            if self.crc32 is None:
-                self._handle.flush()
-                append_file_bytes(tensor, self._handle.fileno())
-                self._handle.seek(0, os.SEEK_END)  # the buffered handle learns where the kernel's copy ended
-                self.size += tensor.nbytes
-                self._next += 1
-                return
-            tensor = map_bytes(tensor.path, tensor.start, tensor.nbytes, tensor.dtype).view(tensor.shape)
-        tensor = tensor.detach().contiguous().cpu()
-        if tensor.numel():
-            # A byte view of the tensor's own storage: no copy on the way to the file.
-            self._write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
+        if isinstance(tensor, FileBytes) and self.crc32 is None:
+            self._handle.flush()
+            append_file_bytes(tensor, self._handle.fileno())
+            self._handle.seek(0, os.SEEK_END)  # the buffered handle learns where the kernel's copy ended
+            self.size += tensor.nbytes
+        else:
+            tensor = (tensor.mapped() if isinstance(tensor, FileBytes) else tensor).detach().contiguous().cpu()
+            if tensor.numel():
+                # A byte view of the tensor's own storage: no copy on the way to the file.
+                self._write(memoryview(tensor.view(-1).view(torch.uint8).numpy()))
         self._next += 1
 
     def close(self) -> tuple[int, Optional[int]]:

@@ -481,7 +481,7 @@ class TorchDistReader:
         if found is None:
             return None
         storage_start, stored = found
-        flat = map_bytes(path, storage_start, stored.storage_numel * stored.dtype.itemsize, stored.dtype)
+        flat = map_bytes(path, storage_start, stored.storage_nbytes, stored.dtype)
         return torch.as_strided(flat, stored.size, stored.stride, stored.storage_offset)
 
     @staticmethod
@@ -499,9 +499,9 @@ class TorchDistReader:
                 record_start = archive.get_record_offset(stored.record)
             except (RuntimeError, pickle.UnpicklingError, ValueError, TypeError, EOFError):
                 return None
-        if record_start + stored.storage_numel * stored.dtype.itemsize > length:
+        if record_start + stored.storage_nbytes > length:
             raise ValueError(f"{path}: the item at byte {start} holds {length} bytes, its tensor needs "
-                             f"{record_start + stored.storage_numel * stored.dtype.itemsize}")
+                             f"{record_start + stored.storage_nbytes}")
         return start + record_start, stored
 
 
@@ -520,6 +520,10 @@ class _StoredTensor:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     storage_offset: int
+
+    @property
+    def storage_nbytes(self) -> int:
+        return self.storage_numel * self.dtype.itemsize
 
 
 class _TensorPickle(pickle.Unpickler):
