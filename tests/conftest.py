@@ -6,7 +6,8 @@
   gloo, Ray worker groups, vLLM, converters, engines; tens of seconds each at most;
 * ``tests/e2e`` (``e2e``): whole training runs through the trainer (one Ray cluster shared by the directory),
   launches on real Slurm and hand-made Ray clusters;
-* ``tests/gpu`` (``gpu``): CUDA only, skipped where there is none.
+* ``tests/gpu`` (``gpu``): CUDA only, skipped where there is none; every GPU test lives here, since
+  ``pytest tests/gpu`` is what ``bench/run_device.sh validate`` runs on the lent GPU first thing in every stay.
 
 Tests that run on a Ray cluster (the controller's worker groups and transports, the trainer's runs) share one,
 ``ray_cluster``: started by the first that asks, stopped at the end of the session. Tests about starting and
@@ -31,6 +32,9 @@ def pytest_collection_modifyitems(config, items):
         tier = path.relative_to(TESTS).parts[0] if TESTS in path.parents else None
         if tier not in TIERS:
             raise pytest.UsageError(f"{path}: every test lives in one of tests/{{{','.join(TIERS)}}}/")
+        if tier != "gpu" and item.get_closest_marker("gpu") is not None:
+            # `pytest tests/gpu` is what runs on the lent GPU: a GPU test anywhere else would never run there
+            raise pytest.UsageError(f"{item.nodeid}: a test marked gpu lives in tests/gpu/")
         item.add_marker(TIERS[tier])
 
 

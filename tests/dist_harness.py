@@ -8,7 +8,11 @@ traceback; a rank that hangs is killed after ``timeout_s``.
 The ranks are forked from one fork server per test session (``forkserver`` start method), a clean interpreter
 that has imported torch, megatron-core and transformers once: a spawned interpreter takes 4-5 s to import them
 on a 2-core machine, and the suite starts ranks over a hundred times. Nothing runs in the server beyond those
-imports (no thread pool, no process group, no CUDA), so each rank starts as a spawned one would, minus imports.
+imports (no thread pool, no process group), and it runs with every GPU hidden, so nothing it imports can
+initialise CUDA: a process forked after CUDA's initialisation cannot use CUDA at all.
+
+GPU ranks (``cuda=True``) are spawned instead, from fresh interpreters that see the GPUs: CUDA may not be
+initialised before a fork, and the import cost is small next to a GPU test. Rank r drives ``cuda:r``.
 """
 
 from __future__ import annotations
@@ -49,14 +53,18 @@ def rendezvous_port() -> int:
             return port
 
 
-def _entry(fn, rank, world_size, port, args, queue):
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-    )
+def _entry(fn, rank, world_size, port, args, queue, cuda):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)  # torch was imported before this environment was set (the fork server preloads it)
     try:
+        if cuda:
+            if torch.cuda._is_in_bad_fork():  # the one way a GPU rank is certain to fail: say why
+                raise RuntimeError("this GPU rank was forked from a process that had initialised CUDA; "
+                                   "GPU ranks must be spawned (tests/dist_harness.py)")
+            torch.cuda.set_device(rank)
         result = fn(rank, *args)
         # Tensors put on a multiprocessing queue travel as shared-memory handles that die with this
         # process; serialise them to plain bytes instead.
@@ -72,19 +80,45 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.
            "megarl.models.bridge", "megarl.models.cpu_compat", "megarl.engines.megatron.actor"]
 
 
-def _context():
+def _context(cuda: bool):
+    if cuda:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0) -> list[Any]:
-    ctx = _context()
+def _start(procs, cuda: bool) -> None:
+    if cuda:
+        for proc in procs:
+            proc.start()
+        return
+    # The fork server starts with the first rank and inherits this environment: it must see no GPU, so that
+    # no preloaded import can initialise CUDA in it (its children could then never use CUDA).
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        for proc in procs:
+            proc.start()
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 300.0,
+                    cuda: bool = False) -> list[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` ranks: CPU ranks (GPUs hidden) forked from the fork server,
+    or with ``cuda=True`` spawned ranks that each drive their own GPU."""
+    if cuda and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"{world_size} GPU ranks asked for, {torch.cuda.device_count()} GPUs visible")
+    ctx = _context(cuda)
     queue = ctx.Queue()
     port = rendezvous_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue, cuda))
+             for r in range(world_size)]
+    _start(procs, cuda)
     results: dict[int, Any] = {}
     failures: list[str] = []
     deadline = time.monotonic() + timeout_s

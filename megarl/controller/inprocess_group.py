@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from megarl.controller.device_oom import naming_out_of_memory
 from megarl.controller.dispatch import DPLayout, collect_results, lookup_method_spec, plan_dispatch
 from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
 
@@ -35,7 +36,8 @@ class InProcessWorkerGroup:
         self._saved_env = {key: os.environ.get(key) for key in rank_env}
         os.environ.update(rank_env)
         try:
-            self.worker = worker_cls(**dict(init_kwargs or {}))
+            with naming_out_of_memory("construct", 0):
+                self.worker = worker_cls(**dict(init_kwargs or {}))
         except BaseException:
             # A half-built worker may have joined torch.distributed; leave the process as it found it.
             from megarl.engines.megatron.parallel import destroy_megatron_parallel
@@ -49,7 +51,8 @@ class InProcessWorkerGroup:
         spec = lookup_method_spec(self.worker_cls, method_name)
         ((rank_args, rank_kwargs),) = plan_dispatch(spec.dispatch, args, kwargs, world_size=1, layout=self._layout,
                                                      method_name=f"{self.name}.{method_name}")
-        result = getattr(self.worker, method_name)(*rank_args, **rank_kwargs)
+        with naming_out_of_memory(method_name, 0):
+            result = getattr(self.worker, method_name)(*rank_args, **rank_kwargs)
         return collect_results(spec.collect, [result], layout=self._layout, method_name=method_name)
 
     def call_async(self, method_name: str, *args: Any, **kwargs: Any) -> "CompletedCall":

@@ -37,6 +37,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from megarl.controller.device_oom import DeviceOutOfMemory, naming_out_of_memory
 from megarl.controller.dispatch import (
     DP_INFO_METHOD,
     Collect,
@@ -124,10 +125,12 @@ class _WorkerHost:
 
     def construct(self, env: dict[str, str], args: tuple, kwargs: dict) -> None:
         os.environ.update(env)
-        self._worker = self._worker_cls(*args, **kwargs)
+        with naming_out_of_memory("construct", self._rank):
+            self._worker = self._worker_cls(*args, **kwargs)
 
     def execute(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._worker, method_name)(*args, **kwargs)
+        with naming_out_of_memory(method_name, self._rank):
+            return getattr(self._worker, method_name)(*args, **kwargs)
 
 
 @ray.remote(num_cpus=0)
@@ -381,8 +384,8 @@ class WorkerGroup:
         """Build the WorkerError for a failed call, naming the root cause rank.
 
         A dead process makes its peers' collectives fail a moment later (gloo: connection closed), so after the
-        first failure we wait `grace_s` for the other ranks and report a died rank first when there is one;
-        the other failures are listed in the message.
+        first failure we wait `grace_s` for the other ranks and report a died rank first when there is one, then
+        a rank out of device memory; the other failures are listed in the message.
         """
         late: list[ray.ObjectRef] = []
         if pending:
@@ -393,7 +396,10 @@ class WorkerGroup:
                 except RayError as err:
                     failures[pending[ref]] = err
         died = [rank for rank, err in failures.items() if isinstance(err, RayActorError)]
-        primary = min(died) if died else min(failures)
+        # A rank out of device memory makes its peers' collectives fail too: it is the cause, not they.
+        out_of_memory = [rank for rank, err in failures.items()
+                         if isinstance(err, RayTaskError) and isinstance(err.cause, DeviceOutOfMemory)]
+        primary = min(died or out_of_memory or failures)
         err = failures[primary]
         if isinstance(err, RayActorError):
             detail = f"the worker process died ({type(err).__name__}): {err}"

@@ -37,9 +37,6 @@ def _batch(rows=8, prompt=64, response=192, seed=0):
 
 
 def _worker(rank, dtype_name):
-    import os
-
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # the harness hides GPUs by default
     from megatron.core.optimizer import OptimizerConfig
 
     import megarl.models.sdpa_attention as sdpa_attention
@@ -85,7 +82,7 @@ def _worker(rank, dtype_name):
 def _run(dtype_name):
     from tests.dist_harness import run_distributed
 
-    return run_distributed(_worker, 1, dtype_name, timeout_s=240)[0]
+    return run_distributed(_worker, 1, dtype_name, timeout_s=240, cuda=True)[0]
 
 
 @pytest.mark.timeout(300)

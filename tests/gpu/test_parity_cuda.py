@@ -56,9 +56,6 @@ def hf_dir(tmp_path_factory):
 
 
 def _parity_worker(rank, hf_dir: str, dtype_name: str, tokens: torch.Tensor):
-    import os
-
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # the harness hides GPUs by default
     import transformers
 
     from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
@@ -101,7 +98,7 @@ def _run(hf_dir, dtype_name):
     from tests.dist_harness import run_distributed
 
     tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(3))
-    return run_distributed(_parity_worker, 1, hf_dir, dtype_name, tokens, timeout_s=240)[0]
+    return run_distributed(_parity_worker, 1, hf_dir, dtype_name, tokens, timeout_s=240, cuda=True)[0]
 
 
 @pytest.mark.timeout(300)

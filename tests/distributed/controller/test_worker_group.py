@@ -17,7 +17,9 @@ import ray
 import torch
 import torch.distributed as dist
 
+from megarl.controller.device_oom import DeviceOutOfMemory
 from megarl.controller.dispatch import Collect, Dispatch, DPInfo, register
+from megarl.controller.inprocess_group import InProcessWorkerGroup
 from megarl.controller.resource_pool import ResourcePool, ResourcePoolError
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.controller.worker_group import CallTimeoutError, WorkerError, WorkerGroup
@@ -70,6 +72,13 @@ class CollectiveWorker:
         if dist.get_rank() == victim:
             raise ValueError(f"bad row in shard of rank {victim}")
         return dist.get_rank()
+
+    def update_actor(self, victim: int) -> int:
+        """The victim runs out of device memory; its peer fails after it, as a peer's collective would."""
+        if dist.get_rank() == victim:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        time.sleep(0.2)
+        raise RuntimeError("Connection closed by peer")
 
     def hang_on(self, victim: int, seconds: float) -> int:
         if dist.get_rank() == victim:
@@ -263,6 +272,37 @@ def test_raising_worker_reports_original_error_and_group_stays_usable(pair):
     assert "bad row in shard of rank 1" in str(err) and "in raise_on" in str(err)  # remote traceback
     # Every rank finished the call, so the world is intact.
     assert pair.call("all_reduce_rank") == [3.0, 3.0]
+
+
+def test_out_of_device_memory_is_named_with_phase_and_rank_and_outranks_its_peers_failure(pair):
+    with pytest.raises(WorkerError) as caught:
+        pair.call("update_actor", 1)
+    err = caught.value
+    assert err.rank == 1 and isinstance(err.cause, DeviceOutOfMemory) and err.cause.phase == "update_actor"
+    assert "out of device memory in actor update" in str(err) and "rank 1: requested 20.00 MiB" in str(err)
+    assert "ppo_max_token_len_per_gpu" in str(err)
+    assert "rank 0: RuntimeError: Connection closed by peer" in str(err)
+
+
+def test_in_process_group_names_the_method_as_the_phase():
+    group = InProcessWorkerGroup(_Hungry, device="cpu")
+    try:
+        with pytest.raises(DeviceOutOfMemory, match=r"old log-probs .* \[compute_log_probs\] on rank 0"):
+            group.call("compute_log_probs")
+    finally:
+        group.shutdown()
+    with pytest.raises(DeviceOutOfMemory, match=r"start-up .* \[construct\]"):
+        InProcessWorkerGroup(_Hungry, device="cpu", init_kwargs={"fail_in_init": True})
+
+
+class _Hungry:
+    def __init__(self, fail_in_init: bool = False):
+        if fail_in_init:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB.")
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def compute_log_probs(self):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB.")
 
 
 # --- the two tests below break the pair groups; keep them last -----------------------------------------------

@@ -25,10 +25,7 @@ def left_padded_batch(vocab_size: int, pads=(0, 3, 7), seq: int = 12, seed: int 
 def compare_core_attentions(rank: int, layouts: list, hf_dirs: dict, device_name: str = "cpu",
                             dtype_name: str = "float32", pads=(0, 3, 7)) -> dict:
     """``device_name="cuda"`` (one rank) runs the same comparison on the GPU, in ``dtype_name``."""
-    import os
-
     if device_name == "cuda":
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # the harness hides GPUs by default
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     from megatron.core import parallel_state as mpu

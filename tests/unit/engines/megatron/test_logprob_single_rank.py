@@ -62,27 +62,6 @@ def test_fp32_logits_are_not_modified_in_place():
     assert torch.equal(logits.detach(), before)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("dtype, temperature", [(torch.bfloat16, 1.0), (torch.float32, 0.7)])
-def test_compiled_chunk_kernels_equal_eager(dtype, temperature):
-    """What CUDA runs (the torch.compile'd chunk functions) against the eager ones, compiled here for CPU."""
-    from megarl.engines.megatron import logprob
-
-    g = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(48, 700, generator=g)).to(dtype)
-    target = torch.randint(0, 700, (48,), generator=g)
-    forward = torch.compile(logprob._chunk_forward, dynamic=True)
-    backward = torch.compile(logprob._chunk_backward, dynamic=True)
-    eager_out = logprob._chunk_forward(logits, target, temperature)
-    for got, want in zip(forward(logits, target, temperature), eager_out):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    _, entropy, log_norm = eager_out
-    g_lp, g_h = torch.randn(48, generator=g), torch.randn(48, generator=g)
-    torch.testing.assert_close(backward(logits, target, log_norm, entropy, g_lp, g_h, temperature).float(),
-                               logprob._chunk_backward(logits, target, log_norm, entropy, g_lp, g_h,
-                                                       temperature).float(), rtol=1e-2, atol=1e-4)
-
-
 def test_a_failing_compiled_kernel_falls_back_to_eager_with_a_warning(monkeypatch):
     from megarl.engines.megatron import logprob
     from megarl.models import compiled
