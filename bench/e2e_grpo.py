@@ -16,7 +16,9 @@ What it does, in one process (the driver):
 Reported (JSON to ``--out`` and a table on stdout): per-stage seconds (mean of the steady steps), tokens/s/GPU
 in verl's definition (``perf/throughput``: prompt + response tokens of the step / step seconds / GPUs),
 weight-sync GB/s, the rollout-vs-trainer log-prob gap, per-phase peak memory, and gen / gen-alone.
-``--shape tiny --device cpu`` is the dry run (HF rollout on CPU) that checks the script itself.
+``--shape tiny --device cpu`` is the dry run (HF rollout on CPU) that checks the script itself. ``--random-init``
+writes no weights (config.json and the tokenizer only): Megatron initialises the model, vLLM starts with dummy
+weights and the first weight sync fills them, so shapes up to what the GPU holds run on a small disk.
 Left out: the reference model and KL loss (add ``--kl`` to include them), critic/PPO, multi-GPU layouts.
 """
 
@@ -50,11 +52,14 @@ def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
 
 
-def write_model(out: Path, hf_cfg: dict, device: str) -> None:
+def write_model(out: Path, hf_cfg: dict, device: str, *, weights: bool = True) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**hf_cfg)
+    if not weights:  # --random-init: megatron initialises, vLLM starts with dummy weights, the sync fills them
+        config.save_pretrained(out)
+        return
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
@@ -94,6 +99,8 @@ def trainer_overrides(args, work: Path) -> list[str]:
         "trainer.save_freq=-1", "trainer.progress_bar=false", f"trainer.default_local_dir={work / 'run'}",
         "trainer.resume_mode=disable", f"trainer.device={args.device}",
     ]
+    if args.random_init:
+        overrides += ["actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.rollout.load_format=dummy"]
     if args.device == "cuda":
         overrides += ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
                       f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}"]
@@ -165,6 +172,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--kl", action="store_true", help="reference model + low_var_kl loss")
     parser.add_argument("--gen-alone", action="store_true")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--random-init", action="store_true",
+                        help="no weights on disk: config.json only, megatron's random init, vLLM dummy weights")
     parser.add_argument("--work", default="/tmp/megarl_e2e")
     parser.add_argument("--prepare-only", action="store_true", help="write model, tokenizer and prompts, then stop")
     parser.add_argument("--out")
@@ -175,9 +184,9 @@ def main(argv=None) -> dict:
     from megarl.trainer.main import run
 
     hf_cfg = qwen2_config(args.shape)
-    work = Path(args.work) / args.shape
+    work = Path(args.work) / (args.shape + ("_random" if args.random_init else ""))
     if not (work / "model" / "config.json").is_file():
-        write_model(work / "model", hf_cfg, args.device)
+        write_model(work / "model", hf_cfg, args.device, weights=not args.random_init)
         write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"])
     write_prompts(work / "prompts.parquet", rows=args.prompts * args.steps, prompt_len=args.prompt_len,
                   vocab_size=hf_cfg["vocab_size"])

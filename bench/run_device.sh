@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big
+# (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
+#  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
+# (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
 #  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
 # (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
@@ -54,9 +57,9 @@ elif [ "$MODE" = pack ]; then
       --hf-attn sdpa --hf-micro-batch-size 1 --warmup 1 --iters 2 --profile \
       --out "$OUT/train_packed_$model.json"
   done
-elif [ "$MODE" = validate ]; then  # the CUDA tests with the engine defaults, and a packed GRPO run
-  step gpu_tests timeout 300 python3 -m pytest tests/gpu tests/distributed/engines/megatron/test_cuda_redirect_and_offload_gpu.py \
-    tests/distributed/models/test_sdpa_attention.py -k "cuda or gpu or parity or packing or offload" -q -s -p no:cacheprovider
+elif [ "$MODE" = validate ]; then  # first thing in every stay: every GPU test (tests/gpu), and a packed GRPO run
+  step gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout=400 \
+    --junitxml="$OUT/gpu_tests.xml"
   step grpo_packed timeout 200 python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=100 \
     actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512 \
@@ -73,6 +76,24 @@ elif [ "$MODE" = e2e ]; then  # bench/e2e_grpo.py for $MODELS (default 0.5b), vL
     step "e2e_$model" timeout "${E2E_TIMEOUT:-540}" python3 -m bench.e2e_grpo --shape "$model" --prompts "${PROMPTS:-64}" \
       --n 8 --prompt-len 512 --response-len "${RESPONSE_LEN:-1024}" --steps "${STEPS:-4}" ${GEN_ALONE:+--gen-alone} \
       --out "$OUT/e2e_$model.json"
+  done
+elif [ "$MODE" = big ]; then  # GRPO at $MODELS (default 7b) on one GPU, random init (no weights on disk)
+  # The optimizer's fp32 state lives on the host in part (megatron's HybridDeviceOptimizer), sized to the card:
+  # the device keeps bf16 params (+ grads while training) and 1 - fraction of Adam's state, vLLM the rest.
+  GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+  if [ "$GIB" -lt 100 ]; then FRACTION=${FRACTION:-0.75}; UTIL=${UTIL:-0.42}; FP32_GRADS=${FP32_GRADS:-false}
+  else FRACTION=${FRACTION:-0.5}; UTIL=${UTIL:-0.45}; FP32_GRADS=${FP32_GRADS:-true}; fi
+  O=actor_rollout_ref.actor
+  for model in $(echo "${MODELS:-7b}" | tr , ' '); do
+    step "e2e_$model" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" --random-init \
+      --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
+      --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" \
+      --out "$OUT/e2e_$model.json" $O.megatron.recompute_granularity=full $O.megatron.grad_offload=true \
+      $O.megatron.override_ddp_config.grad_reduce_in_fp32=$FP32_GRADS \
+      $O.optim.override_optimizer_config.optimizer_cpu_offload=true \
+      $O.optim.override_optimizer_config.optimizer_offload_fraction=$FRACTION \
+      $O.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d=true \
+      $O.optim.override_optimizer_config.use_precision_aware_optimizer=true ${EXTRA:-}
   done
 elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
@@ -94,5 +115,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

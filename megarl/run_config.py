@@ -15,6 +15,8 @@ config is loaded here: :func:`load_config`.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -66,11 +68,39 @@ def check_component_settings(cfg: MegarlConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def check_megatron_overrides(cfg: MegarlConfig) -> None:
+    """``*.optim.override_optimizer_config`` and ``*.megatron.override_ddp_config`` name megatron-core's own
+    fields: an unknown name, or values megatron refuses, fail at load with the key, not at the first step."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    for prefix, role in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
+        for key, overrides, megatron_cls in (
+                (f"{prefix}.optim.override_optimizer_config", role.optim.override_optimizer_config, OptimizerConfig),
+                (f"{prefix}.megatron.override_ddp_config", role.megatron.override_ddp_config,
+                 DistributedDataParallelConfig)):
+            known = {f.name for f in dataclasses.fields(megatron_cls)}
+            for name in overrides:
+                if name not in known:
+                    close = difflib.get_close_matches(name, sorted(known), n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise ConfigError(f"{key}.{name}: megatron-core's {megatron_cls.__name__} has no field "
+                                      f"{name!r}{hint}")
+            try:
+                megatron_cls(**overrides)
+            except (AssertionError, ValueError, TypeError) as exc:
+                raise ConfigError(f"{key}: megatron-core refuses {overrides}: {exc}") from exc
+        if role.optim.override_optimizer_config.get("optimizer_cpu_offload") and cfg.trainer.device == "cpu":
+            raise ConfigError(f"{prefix}.optim.override_optimizer_config.optimizer_cpu_offload=true moves the "
+                              f"optimizer from the GPU to the host: trainer.device=cpu has no GPU to move it from")
+
+
 def validate_config(cfg: MegarlConfig) -> MegarlConfig:
     """Fill the derived defaults of ``cfg`` in place, then raise :class:`ConfigError` on its first fault."""
     fill_derived_defaults(cfg)
     check_registered_names(cfg)
     check_component_settings(cfg)
+    check_megatron_overrides(cfg)
     check_config(cfg)
     return cfg
 

@@ -57,6 +57,11 @@ def _coerce(value: Any, tp, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping of {inner.__name__} fields, got {type(value).__name__}")
         return _build(inner, value, key)
     origin = typing.get_origin(inner)
+    if origin is dict:  # a free mapping (e.g. megatron's own options): its consumer checks the keys
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__} {value!r}")
+        _, item_tp = typing.get_args(inner) or (str, Any)
+        return {str(k): _coerce(v, item_tp, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(inner) or (Any,)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

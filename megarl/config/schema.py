@@ -9,7 +9,7 @@ consistency checks in :mod:`megarl.config.validate`. Nothing here reads files or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -51,6 +51,9 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     lr_decay_style: str = "constant"  # constant | cosine | linear
     lr_decay_steps: Optional[int] = None  # defaults to trainer.total_training_steps
+    # megatron-core OptimizerConfig fields set as given, as verl passes them (e.g. optimizer_cpu_offload: true,
+    # optimizer_offload_fraction: 1.0, overlap_cpu_optimizer_d2h_h2d: true, use_precision_aware_optimizer: true)
+    override_optimizer_config: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class MegatronConfig:
     recompute_granularity: Optional[str] = None  # None | selective | full
     recompute_method: Optional[str] = None  # uniform | block
     recompute_num_layers: Optional[int] = None
+    # megatron-core DistributedDataParallelConfig fields set as given (verl's key), e.g. grad_reduce_in_fp32: false
+    override_ddp_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 42
     # Start from a megatron torch_dist checkpoint (converters/hf_to_mcore.py's output, or a Megatron-LM save)
     # instead of the HF weights; any layout loads it. The HF model path still gives config and tokenizer.
@@ -97,6 +102,9 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # false: start from megatron's random initialisation instead of the checkpoint's weights (verl's key); the
+    # model path then needs only config.json and the tokenizer: benchmarks at any shape without big files
+    load_weight: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
@@ -141,6 +149,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_mb: Optional[int] = None  # size vLLM's KV cache directly (on CPU: instead of a RAM share)
     enforce_eager: bool = False
+    # auto: the rollout engine reads the checkpoint; dummy: random weights, replaced by the first weight sync
+    # (verl's key; what actor.load_weight=false needs)
+    load_format: str = "auto"
     free_cache_engine: bool = True  # sleep the engine between rollouts when colocated
     dtype: str = "float32"
     log_prob_micro_batch_size_per_gpu: int = 16

@@ -10,7 +10,9 @@ turns with it (the hybrid engine), with one named call per phase change:
   rollout engine holds its weights to be written into, its KV cache still freed.
 
 Each call is a no-op for what is already where it should be, so the worker methods may call the phase they
-need without knowing which came before.
+need without knowing which came before. A colocated worker makes room before it starts its rollout engine
+(:meth:`DeviceResidency.make_room_for_rollout`, then :meth:`DeviceResidency.attach_rollout`): vLLM sizes its
+share of the device from the memory free at its start, and at 7B the trainer's state would not leave it any.
 """
 
 from __future__ import annotations
@@ -40,20 +42,30 @@ class DeviceResidency:
         self._reference_offloaded = None
         self._rollout_asleep = False
 
-    def for_generation(self) -> None:
-        from megarl.engines.megatron.offload import offload_engine
+    def attach_rollout(self, rollout, *, rollout_sleeps: bool = True) -> None:
+        """The rollout engine, started after :meth:`make_room_for_rollout`; until the first phase call the
+        device stays as generation wants it."""
+        self.rollout = rollout
+        self.rollout_sleeps = rollout_sleeps and rollout.supports_sleep
 
+    def for_generation(self) -> None:
         if self.rollout is None:  # generation runs elsewhere (separate placement): nothing here makes room for it
             return
+        self.make_room_for_rollout()
+        if self._rollout_asleep:
+            self.rollout.wake_up()
+            self._rollout_asleep = False
+
+    def make_room_for_rollout(self) -> None:
+        """The offloaded parts of the actor and reference (per the policy) leave the device."""
+        from megarl.engines.megatron.offload import offload_engine
+
         p = self.offload
         if self._actor_offloaded is None and p.offloads_actor:
             self._actor_offloaded = offload_engine(self.actor, params=p.actor_params, grads=p.actor_grads,
                                                    optimizer=p.actor_optimizer)
         if self.reference is not None and self._reference_offloaded is None and p.reference_params:
             self._reference_offloaded = offload_engine(self.reference, params=True, grads=False, optimizer=False)
-        if self._rollout_asleep:
-            self.rollout.wake_up()
-            self._rollout_asleep = False
 
     def for_training(self, *, weight_sync_follows: bool) -> None:
         """``weight_sync_follows``: the rollout weights will be overwritten before the next generation (the

@@ -15,12 +15,13 @@ def megatron_optimizer_config(optim: OptimConfig, m: MegatronConfig):
     from megatron.core.optimizer import OptimizerConfig
 
     dtype = DTYPES[m.params_dtype]
-    return OptimizerConfig(
-        optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-        clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=m.use_distributed_optimizer,
-    )
+    return OptimizerConfig(**{
+        **dict(optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+               adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+               clip_grad=optim.clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+               use_distributed_optimizer=m.use_distributed_optimizer),
+        **optim.override_optimizer_config,  # megatron's own options, as verl passes them (checked at load)
+    })
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int):
@@ -34,8 +35,10 @@ def lr_schedule(optim: OptimConfig, total_steps: int):
 def ddp_config(m: MegatronConfig):
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                         use_distributed_optimizer=m.use_distributed_optimizer)
+    return DistributedDataParallelConfig(**{
+        **dict(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=m.use_distributed_optimizer),
+        **m.override_ddp_config,
+    })
 
 
 def transformer_overrides(m: MegatronConfig) -> dict:

@@ -35,7 +35,7 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
     from megarl.engines.rollout.factory import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
-    engine_kwargs = {"dtype": DTYPES[rollout.dtype]}
+    engine_kwargs = {"dtype": DTYPES[rollout.dtype], "load_format": rollout.load_format}
     if rollout.name == "vllm":
         engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                              enforce_eager=rollout.enforce_eager,

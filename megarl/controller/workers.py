@@ -37,6 +37,7 @@ from megarl.controller.phase_memory import PhaseMemory
 from megarl.controller.rollout_replicas import form_rollout_replicas, generate_in_replica
 from megarl.controller.rollout_worker import build_rollout_engine_for, check_rollout_tensor_parallel
 from megarl.engines.megatron.engine import MicroBatching
+from megarl.engines.megatron.offload import copy_model_weights
 from megarl.models.bridge import unwrap_model
 
 
@@ -63,7 +64,8 @@ class ActorRolloutRefWorker(MegatronRole):
             vocab_size=self.bridge.dims.vocab_size,
             micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.actor.ppo_max_token_len_per_gpu),
         )
-        self._load_hf(self.actor)
+        if arr.actor.load_weight:
+            self._load_hf(self.actor)
         self.update_arguments = actor_update_arguments(cfg, self.rank_info.dp_size)
         self.reference = None
         if with_reference:
@@ -74,26 +76,29 @@ class ActorRolloutRefWorker(MegatronRole):
                 temperature=arr.rollout.temperature or 1.0, vocab_size=self.bridge.dims.vocab_size,
                 micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.ref.log_prob_max_token_len_per_gpu),
             )
-            self._load_hf(self.reference)
+            if arr.actor.load_weight:
+                self._load_hf(self.reference)
+            else:  # the reference is the policy at step 0: here, megatron's random initialisation of the actor
+                copy_model_weights(self.actor.model, self.reference.model)
         self.rollout_dtype = DTYPES[arr.rollout.dtype]
         self.bucket_bytes = arr.rollout.weight_sync_bucket_mb * 2**20
         self.rollout_peers: list = []  # separate placement: the rollout workers' actor handles
         self.weight_group = None  # separate placement, broadcast transport, rank 0: the group with them
         self.rollout = None
         self.memory_peaks = PhaseMemory(self.context.device)
+        m = arr.actor.megatron
+        self.residency = DeviceResidency(
+            actor=self.actor, reference=self.reference,
+            offload=OffloadPolicy(actor_params=m.param_offload, actor_grads=m.grad_offload,
+                                  actor_optimizer=m.optimizer_offload, reference_params=arr.ref.param_offload))
         if not separate_rollout:
             check_rollout_tensor_parallel(cfg, colocated=True)
             self.rollout_replica = form_rollout_replicas(arr.rollout.tensor_model_parallel_size)
+            self.residency.make_room_for_rollout()  # the engine sizes its share from the memory free at its start
             self.rollout = build_rollout_engine_for(
                 cfg, self.model_path, seed_offset=self.rollout_replica.index, colocated=True,
                 device=self.context.device, local_device_index=self.context.local_device_index)
-        m = arr.actor.megatron
-        self.residency = DeviceResidency(
-            actor=self.actor, reference=self.reference, rollout=self.rollout,
-            offload=OffloadPolicy(actor_params=m.param_offload, actor_grads=m.grad_offload,
-                                  actor_optimizer=m.optimizer_offload, reference_params=arr.ref.param_offload),
-            rollout_sleeps=arr.rollout.free_cache_engine)
-        if self.rollout is not None:
+            self.residency.attach_rollout(self.rollout, rollout_sleeps=arr.rollout.free_cache_engine)
             self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
 
     # ---------------------------------------------------------------- rollout

@@ -6,13 +6,19 @@ state such as Adam moments and fp32 main params) is copied into a host backup (p
 the device storage is resized to 0 bytes. Reload re-grows each storage and copies the bytes back, so all
 views (``param.main_grad``, params inside DDP buffers, optimizer references) stay valid and training
 continues bit-identically. On CPU this is a real move too: the backup is a separate host buffer and the
-original storage is released, which is what the CPU test checks. Leaves out: partial offload (e.g. only
-optimizer states) policies beyond the three flags, and overlapping the copies with compute.
+original storage is released, which is what the CPU test checks.
+
+Two kinds of storage are not copied. Gradient buffers are dropped, not saved: every update zeroes them before
+its first backward, so they come back zeroed and cost no host memory or copy time (at 7B a fp32 grad buffer is
+30 GB). And on a GPU machine, optimizer state already on the host (megatron's ``optimizer_cpu_offload``: the
+CPU part of its HybridDeviceOptimizer) stays where it is. Leaves out: partial offload policies beyond the three
+flags, and overlapping the copies with compute.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -20,8 +26,9 @@ import torch
 @dataclass
 class _Offloaded:
     storage: torch.UntypedStorage
-    backup: torch.Tensor  # uint8 host copy of the whole storage
+    backup: Optional[torch.Tensor]  # uint8 host copy of the whole storage; None: dropped, comes back zeroed
     device: torch.device
+    nbytes: int
 
 
 @dataclass
@@ -30,7 +37,13 @@ class OffloadState:
 
     @property
     def num_bytes(self) -> int:
-        return sum(e.backup.numel() for e in self.entries)
+        """Device bytes released."""
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the saved copies take."""
+        return sum(e.backup.numel() for e in self.entries if e.backup is not None)
 
 
 def _optimizer_tensors(optimizer):
@@ -67,22 +80,25 @@ def _byte_view(storage: torch.UntypedStorage, device) -> torch.Tensor:
 
 def offload_engine(engine, *, params: bool = True, grads: bool = True, optimizer: bool = True) -> OffloadState:
     """Free the chosen device storages of ``engine``; returns what :func:`reload_engine` needs."""
-    tensors = list(_model_tensors(engine, params=params, grads=grads))
+    saved = list(_model_tensors(engine, params=params, grads=False))
     if optimizer and engine.optimizer is not None:
-        tensors += list(_optimizer_tensors(engine.optimizer))
+        saved += list(_optimizer_tensors(engine.optimizer))
+    dropped = list(_model_tensors(engine, params=False, grads=True)) if grads else []
     pin = torch.cuda.is_available()
     state = OffloadState()
     seen = set()
-    for tensor in tensors:
+    for tensor, keep in [(t, True) for t in saved] + [(t, False) for t in dropped]:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if storage.nbytes() == 0 or key in seen:
-            continue
+        if storage.nbytes() == 0 or key in seen or (pin and tensor.device.type == "cpu"):
+            continue  # empty, seen, or (on a GPU machine) already on the host
         seen.add(key)
         device = tensor.device
-        backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-        backup.copy_(_byte_view(storage, device), non_blocking=pin)
-        state.entries.append(_Offloaded(storage=storage, backup=backup, device=device))
+        backup = None
+        if keep:
+            backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+            backup.copy_(_byte_view(storage, device), non_blocking=pin)
+        state.entries.append(_Offloaded(storage=storage, backup=backup, device=device, nbytes=storage.nbytes()))
     if pin:
         torch.cuda.synchronize()
     for entry in state.entries:
@@ -95,8 +111,33 @@ def offload_engine(engine, *, params: bool = True, grads: bool = True, optimizer
 def reload_engine(state: OffloadState) -> None:
     """Re-allocate every offloaded storage on its device and copy its bytes back."""
     for entry in state.entries:
-        entry.storage.resize_(entry.backup.numel())
-        _byte_view(entry.storage, entry.device).copy_(entry.backup, non_blocking=entry.backup.is_pinned())
+        entry.storage.resize_(entry.nbytes)
+        if entry.backup is None:
+            _byte_view(entry.storage, entry.device).zero_()
+        else:
+            _byte_view(entry.storage, entry.device).copy_(entry.backup, non_blocking=entry.backup.is_pinned())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     state.entries.clear()
+
+
+def copy_model_weights(source_chunks, target_chunks) -> None:
+    """Copy every parameter of one engine's model chunks into another's of the same architecture and layout
+    (a reference model that starts as the actor's random initialisation)."""
+    import itertools
+
+    for source, target in itertools.zip_longest(source_chunks, target_chunks):
+        if source is None or target is None:
+            raise ValueError("copy_model_weights: the two engines have different numbers of model chunks")
+        source_params = dict(_unwrapped(source).named_parameters())
+        with torch.no_grad():
+            for name, param in _unwrapped(target).named_parameters():
+                if name not in source_params or source_params[name].shape != param.shape:
+                    raise ValueError(f"copy_model_weights: parameter {name!r} has no twin of the same shape")
+                param.copy_(source_params[name])
+
+
+def _unwrapped(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

@@ -63,8 +63,9 @@ class HFRolloutEngine(RolloutEngine):
         device: str | torch.device = "cpu",
         tokenizer_path: str | None = None,
         attn_implementation: str | None = None,
+        load_format: str = "auto",
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"HFRolloutEngine: model_path {model_path!r} is not a directory")
@@ -74,7 +75,14 @@ class HFRolloutEngine(RolloutEngine):
             dtype = _DTYPES[dtype]
         self.device = torch.device(device)
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra).to(self.device).eval()
+        if load_format == "dummy":  # random weights, to be replaced by the first weight update (vLLM's meaning)
+            config = AutoConfig.from_pretrained(model_path)
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+        elif load_format == "auto":
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
+        else:
+            raise ValueError(f"HFRolloutEngine: load_format {load_format!r}; expected 'auto' or 'dummy'")
+        self.model = self.model.to(self.device).eval()
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_ids = self._collect_eos_ids()
         self.pad_token_id = self._choose_pad_id()

@@ -48,11 +48,21 @@ logger = logging.getLogger(__name__)
 _EXTENSION = "megarl.engines.rollout.vllm_worker_extension.MegarlWeightUpdateExtension"
 
 
-def read_checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """HF tensor names -> shapes from the safetensors headers in `model_path` (no tensor data is read)."""
+def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> dict[str, tuple[int, ...]]:
+    """HF tensor names -> shapes from the safetensors headers in `model_path` (no tensor data is read); with
+    ``weights_on_disk=False`` (random weights, ``load_format=dummy``) and no safetensors there, the names and
+    shapes of the HF model the config describes, built on the meta device (no memory)."""
     from safetensors import safe_open
 
     files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files and not weights_on_disk:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        return {name: tuple(param.shape) for name, param in model.state_dict().items()
+                if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model dir {model_path!r}")
     shapes: dict[str, tuple[int, ...]] = {}
@@ -141,7 +151,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.weight_reload_taken: Optional[str] = None  # direct | layerwise: how the last session loaded
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"VLLMRolloutEngine: model_path {model_path!r} is not a directory")
-        self._checkpoint_shapes = read_checkpoint_shapes(model_path)
+        self._checkpoint_shapes = read_checkpoint_shapes(
+            model_path, weights_on_disk=llm_kwargs.get("load_format", "auto") != "dummy")
         config = json.loads((Path(model_path) / "config.json").read_text())
         self.vocab_size = int(config["vocab_size"])
         # Trainers export the tied head too; vLLM's loader ignores `lm_head.weight` for tied models, so

@@ -557,3 +557,27 @@ def test_rollout_correction_in_the_loop(tmp_path):
     for row in rejected:
         assert row["rollout_corr/rs_masked_fraction"] == 1.0
         assert row["actor/pg_loss"] == 0.0 and row["actor/grad_norm"] == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_random_init_runs_without_weights_on_disk(tmp_path):
+    """``actor.load_weight=false`` + ``rollout.load_format=dummy``: the model directory holds config.json and the
+    tokenizer only; Megatron initialises the actor, the reference starts as that same initialisation, and the
+    rollout engine's random weights are replaced by the first weight sync (the rollout's log-probs equal the
+    trainer's, which they cannot by chance)."""
+    import shutil
+
+    from megarl.models.embedded import resolve_model_path
+
+    source, model = resolve_model_path("embedded:tiny-qwen2"), tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, model / name)
+    history = _run(_config(tmp_path / "run", f"actor_rollout_ref.model.path={model}", "trainer.total_training_steps=2",
+                           "trainer.backend=inprocess", "actor_rollout_ref.actor.use_kl_loss=true",
+                           "actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.rollout.load_format=dummy"))
+    assert len(history) == 2
+    for step in history:
+        assert step["rollout/log_prob_diff_max"] < 1e-4, (step["step"], step["rollout/log_prob_diff_max"])
+    assert history[0]["actor/ref_kl"] == 0.0  # before the first update the policy is its reference
+    assert history[1]["actor/ref_kl"] != 0.0

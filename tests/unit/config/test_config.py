@@ -181,3 +181,30 @@ def test_update_arguments_split_each_mini_batch_of_prompts_over_the_data_paralle
     critic = critic_update_arguments(cfg, dp_size=2)
     assert critic == dict(ppo_epochs=3, mini_batch_size=2 * 4 // 2, cliprange_value=0.7,
                           loss_agg_mode=cfg.critic.loss_agg_mode)
+
+
+def test_megatron_overrides_reach_megatron_and_unknown_names_are_refused():
+    from megarl.controller.engine_specs import ddp_config, megatron_optimizer_config
+
+    cfg = load_config(None, [
+        "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=true",
+        "actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction=0.75",
+        "actor_rollout_ref.actor.megatron.override_ddp_config.grad_reduce_in_fp32=false",
+        "actor_rollout_ref.actor.load_weight=false", "actor_rollout_ref.rollout.load_format=dummy"])
+    actor = cfg.actor_rollout_ref.actor
+    optimizer = megatron_optimizer_config(actor.optim, actor.megatron)
+    assert optimizer.optimizer_cpu_offload is True and optimizer.optimizer_offload_fraction == 0.75
+    assert optimizer.lr == actor.optim.lr  # the others are still megarl's
+    assert ddp_config(actor.megatron).grad_reduce_in_fp32 is False
+    with pytest.raises(ConfigError, match=r"override_optimizer_config\.optimizer_cpu_ofload: .*did you mean "
+                                          r"'optimizer_cpu_offload'"):
+        load_config(None, ["actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_ofload=true"])
+    with pytest.raises(ConfigError, match=r"critic\.megatron\.override_ddp_config\.bucket_sise"):
+        load_config(None, ["critic.megatron.override_ddp_config.bucket_sise=10"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.load_format"):
+        load_config(None, ["actor_rollout_ref.rollout.load_format=random"])
+    with pytest.raises(ConfigError, match=r"optimizer_cpu_offload=true moves .* trainer.device=cpu"):
+        load_config(None, ["actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=true",
+                           "trainer.device=cpu"])
+    with pytest.raises(ConfigError, match=r"override_optimizer_config: expected a mapping"):
+        load_config(None, ["actor_rollout_ref.actor.optim.override_optimizer_config=7"])

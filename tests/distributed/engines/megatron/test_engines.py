@@ -78,6 +78,9 @@ def _world_a(rank, root):
         freed.append(state.num_bytes)
         # Storage really released: a parameter now has no bytes behind it.
         freed.append(next(shadow.model[0].parameters()).untyped_storage().nbytes())
+        # The grad buffer is dropped, not saved (it comes back zeroed): it takes no host memory
+        grad_bytes = sum(b.grad_data.untyped_storage().nbytes() for b in shadow.model[0].buffers)
+        freed.append((grad_bytes, state.num_bytes - state.host_bytes))
         reload_engine(state)
 
     _, _, shadow_history, shadow_final = _train(shadow, _batch(), between=offload_and_reload)
@@ -182,6 +185,8 @@ def test_ppo_update_reduces_loss_and_offload_is_exact(world_a):
     assert open(os.path.join(root, "latest_checkpointed_iteration.txt")).read() == "0\n"  # Megatron-LM's tracker
     # offload: bytes moved, storage freed, and the trajectory unchanged bit for bit
     assert a["offload_bytes"][0] > 0 and a["offload_bytes"][1] == 0
+    grad_bytes_left, dropped = a["offload_bytes"][2]
+    assert grad_bytes_left == 0 and dropped > 0
     assert a["offload_history"] == a["history"]
     assert torch.equal(a["offload_final"], a["final_log_probs"])
 
