@@ -58,7 +58,7 @@ elif [ "$MODE" = pack ]; then
       --out "$OUT/train_packed_$model.json"
   done
 elif [ "$MODE" = validate ]; then  # first thing in every stay: every GPU test (tests/gpu), and a packed GRPO run
-  step gpu_tests timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout=400 \
+  step gpu_tests timeout "${TESTS_TIMEOUT:-560}" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout=400 \
     --junitxml="$OUT/gpu_tests.xml"
   step grpo_packed timeout 200 python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=100 \
@@ -89,6 +89,7 @@ elif [ "$MODE" = big ]; then  # GRPO at $MODELS (default 7b) on one GPU, random 
       --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
       --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" \
       --out "$OUT/e2e_$model.json" $O.megatron.recompute_granularity=full $O.megatron.grad_offload=true \
+      $O.megatron.use_distributed_optimizer=true \
       $O.megatron.override_ddp_config.grad_reduce_in_fp32=$FP32_GRADS \
       $O.optim.override_optimizer_config.optimizer_cpu_offload=true \
       $O.optim.override_optimizer_config.optimizer_offload_fraction=$FRACTION \

@@ -86,10 +86,12 @@ def check_megatron_overrides(cfg: MegarlConfig) -> None:
                     hint = f" (did you mean {close[0]!r}?)" if close else ""
                     raise ConfigError(f"{key}.{name}: megatron-core's {megatron_cls.__name__} has no field "
                                       f"{name!r}{hint}")
-            try:
-                megatron_cls(**overrides)
-            except (AssertionError, ValueError, TypeError) as exc:
+            try:  # with the base megarl gives it (engine_specs), which megatron's own checks may need
+                megatron_cls(**{"use_distributed_optimizer": role.megatron.use_distributed_optimizer, **overrides})
+            except (AssertionError, ValueError) as exc:
                 raise ConfigError(f"{key}: megatron-core refuses {overrides}: {exc}") from exc
+            except TypeError:  # megatron-core 0.16's own check trips without Transformer Engine: it decides at build
+                pass
         if role.optim.override_optimizer_config.get("optimizer_cpu_offload") and cfg.trainer.device == "cpu":
             raise ConfigError(f"{prefix}.optim.override_optimizer_config.optimizer_cpu_offload=true moves the "
                               f"optimizer from the GPU to the host: trainer.device=cpu has no GPU to move it from")

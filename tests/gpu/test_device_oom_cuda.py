@@ -40,7 +40,7 @@ def _collective_oom(rank):
 
     from megarl.controller.device_oom import DeviceOutOfMemory, naming_out_of_memory
 
-    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    dist.init_process_group("nccl")  # no device_id: the communicator is made at the first collective, after the fill
     value = torch.ones(1024, device="cuda")
     held = _fill_device()
     try:

@@ -61,7 +61,8 @@ def _worker(rank):
         # megatron's DistributedOptimizer (one per chain link) wraps the torch optimizer
         (wrapper,) = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
         inner = wrapper.optimizer
-        states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        # Adam's moments and masters (its step count is a host scalar either way)
+        states = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1]
         results[name] = {"initial": initial.cpu(), "final": final.cpu(), "metrics": metrics,
                          "state_devices": sorted({t.device.type for t in states}),
                          "state_bytes": sum(t.numel() * t.element_size() for t in states),

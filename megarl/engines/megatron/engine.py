@@ -89,11 +89,12 @@ class LRScheduleConfig:
 
 def build_model_chunks(
     *, model_provider: ModelProvider, config, ddp_config=None, wrap_with_ddp: bool = True,
-    chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None,
+    chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None, one_dtype: Optional[torch.dtype] = None,
 ) -> list[torch.nn.Module]:
     """One model per virtual pipeline stage of this rank (megatron-LM ``get_model`` semantics).
 
     ``chunk_hook(module, post_process)`` may edit a chunk before DDP wrapping (the critic swaps its head).
+    ``one_dtype``: every floating parameter in this dtype (torch's norms make fp32 weights in a bf16 model).
     """
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -108,6 +109,10 @@ def build_model_chunks(
         module = model_provider(pre, post, stage)
         if chunk_hook is not None:
             chunk_hook(module, post)
+        if one_dtype is not None:
+            for param in module.parameters():
+                if param.is_floating_point() and param.dtype != one_dtype:
+                    param.data = param.data.to(one_dtype)
         module.to(device_for_this_process())
         for param in module.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -236,10 +241,15 @@ class MegatronEngine:
         self.rank_info = current_rank_info()
         if mpu.get_pipeline_model_parallel_world_size() > 1 and config.pipeline_dtype is None:
             config.pipeline_dtype = config.params_dtype
+        # megatron's CPU-offloaded optimizer (HybridDeviceOptimizer, precision-aware) cannot take the fp32 weights
+        # torch's norms make in a bf16 model (it is handed non-leaf views of them); megatron-LM never has any,
+        # since its Float16Module casts the whole model.
+        cpu_offload = getattr(optimizer_config, "optimizer_cpu_offload", False)
         with cuda_tensors_on_cpu():
             self.model = build_model_chunks(
                 model_provider=model_provider, config=config, ddp_config=ddp_config,
                 wrap_with_ddp=self.trainable, chunk_hook=chunk_hook,
+                one_dtype=config.params_dtype if cpu_offload else None,
             )
         self.optimizer = None
         self.lr_scheduler = None
