@@ -10,14 +10,17 @@ str``.
 or unknown names), exceptions, results that are not text and calls past ``timeout_s`` all become a
 :class:`ToolResult` whose text tells the model what went wrong (text past ``max_output_chars`` is cut by
 :func:`truncate_text`); nothing a tool does raises into the rollout. A Python tool that hangs cannot be killed from its
-thread: the call returns its timeout error and the thread is left to finish (the built-in code runner is a
-subprocess and is killed).
+thread: the call returns its timeout error and the thread is abandoned (the built-in code runner is a subprocess
+and is killed). Each call runs on a daemon thread of its own, so an abandoned one never holds up the
+interpreter's exit: a pool's worker threads are joined at exit, and one hung tool call then kept a finished run
+(and its GPUs) alive until killed from outside.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +108,19 @@ def _argument_problem(tool: Tool, arguments: dict) -> Optional[str]:
     return None
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="megarl-tool")
+def _call_on_daemon_thread(tool: "Tool", arguments: dict) -> concurrent.futures.Future:
+    """``tool.call(arguments)`` on a daemon thread of its own (never joined at exit; see the module docstring)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+
+    def work() -> None:
+        try:
+            future.set_result(tool.call(arguments))
+        except BaseException as exc:  # delivered to the caller as the call's failure
+            future.set_exception(exc)
+
+    threading.Thread(target=work, name=f"megarl-tool-{tool.name}", daemon=True).start()
+    return future
 
 
 TRUNCATE_SIDES = ("middle", "left", "right")
@@ -141,7 +156,7 @@ def run_tool(tools: dict[str, Tool], name: str, arguments: dict, *, timeout_s: f
     problem = _argument_problem(tool, arguments)
     if problem:
         return result(f"Error: {name}: {problem}", True)
-    future = _POOL.submit(tool.call, arguments)
+    future = _call_on_daemon_thread(tool, arguments)
     try:
         text = future.result(timeout=timeout_s)
     except concurrent.futures.TimeoutError:

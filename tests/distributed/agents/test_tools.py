@@ -122,3 +122,31 @@ def test_tools_file_errors_name_the_file_and_entry(tmp_path):
     bad.write_text("tools:\n  - class_name: os.path\n    tool_schema: {function: {name: x}}\n")
     with pytest.raises(ToolError, match=r"cannot import 'os.path'|is not a megarl.agents.tools.Tool"):
         load_tools(bad)
+
+
+HANGING_TOOL_PROGRAM = """
+import threading, time
+from megarl.agents.tools import Tool, run_tool
+
+class Hangs(Tool):
+    def call(self, arguments):
+        threading.Event().wait()  # never answers
+
+schema = {"type": "function", "function": {"name": "hangs", "parameters": {"type": "object", "properties": {}}}}
+result = run_tool({"hangs": Hangs(schema)}, "hangs", {}, timeout_s=0.2)
+print(result.text, flush=True)
+"""
+
+
+def test_a_process_whose_tool_call_hung_past_its_timeout_still_exits():
+    """The abandoned call must not hold up the interpreter's exit (a finished run that never exits keeps its
+    GPUs until the cluster's time limit)."""
+    import subprocess
+    import sys
+
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", HANGING_TOOL_PROGRAM], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "did not answer within 0.2 s" in done.stdout
+    assert time.monotonic() - start < 30
