@@ -3,8 +3,9 @@
 ``MEGARL_KILL_AT=<point>[:<n>]`` in a worker's environment makes the n-th arrival (default the first) at
 ``kill_point(<point>)`` SIGKILL the process, as a scheduler's OOM killer or a failing node would: no cleanup,
 no exception. The points: ``save_checkpoint`` (every shard written, the checkpoint not yet committed:
-where a crash is hardest on a run) and ``rollout_generate`` (a separate rollout worker starting a generation,
-which asynchronous training runs beside the trainer). Unset (always, outside tests) it costs one dict lookup.
+where a crash is hardest on a run), ``rollout_generate`` (a separate rollout worker starting a generation,
+which asynchronous training runs beside the trainer) and ``rollout_receive_weights`` (a separate rollout worker
+taking a weight bucket from training rank 0). Unset (always, outside tests) it costs one dict lookup.
 Leaves out: delays and partial network failures.
 """
 

@@ -72,6 +72,7 @@ class RolloutWorker:
         return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica)
 
     def load_weight_bucket(self, bucket) -> None:
+        kill_point("rollout_receive_weights")
         self.engine.update_weights(bucket)
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
@@ -82,6 +83,7 @@ class RolloutWorker:
     def receive_weight_bucket(self, layout) -> None:
         from megarl.weight_sync.broadcast import receive_bucket
 
+        kill_point("rollout_receive_weights")
         device = torch.device("cuda", torch.cuda.current_device()) if self.context.device == "cuda" else "cpu"
         self.engine.update_weights(receive_bucket(self.weight_group, layout, device))
 

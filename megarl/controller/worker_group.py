@@ -31,6 +31,8 @@ import signal
 import socket
 import tempfile
 import time
+import weakref
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import ray
@@ -182,6 +184,31 @@ class PendingCall:
                                method_name=f"{self.group.name}.{self.method}")
 
 
+@dataclass
+class _PeerDeath:
+    """A worker of ``group`` died, and rank ``seen_by`` of another group failed because of it."""
+
+    group: "WorkerGroup"
+    rank: int
+    seen_by: int
+    cause: BaseException
+
+    def as_error(self, seer: "WorkerGroup", method: str, failures: dict[int, RayError]) -> WorkerError:
+        info = self.group.worker_infos[self.rank]
+        self.group._broken = f"rank {self.rank} died (seen by {seer.name!r} rank {self.seen_by} in {method}())"
+        seer._broken = f"{method}() failed on rank {self.seen_by}: a peer in {self.group.name!r} died"
+        detail = (f"the worker process died; {seer.name!r} rank {self.seen_by} was calling it in {method}() and "
+                  f"failed with {type(self.cause).__name__}: {self.cause}")
+        error = WorkerError(self.group.name, self.rank, method, detail, node_ip=info.get("node_ip"),
+                            pid=info.get("pid"), cause=self.cause)
+        error.failed_ranks = sorted(failures)
+        return error
+
+
+# Every group that came up, so that a rank failing because a worker of another group died can name that worker.
+_LIVE_GROUPS: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
+
+
 class WorkerGroup:
     """One Ray actor per bundle of `pool`, one torch.distributed world; see the module docstring."""
 
@@ -242,6 +269,7 @@ class WorkerGroup:
             self.shutdown()
             raise
         self._broken = None
+        _LIVE_GROUPS.add(self)
 
     # ----------------------------------------------------------------------------------------- set-up
 
@@ -395,6 +423,9 @@ class WorkerGroup:
                     ray.get(ref)
                 except RayError as err:
                     failures[pending[ref]] = err
+        peer_death = self._peer_death(failures)
+        if peer_death is not None:
+            return peer_death.as_error(self, method, failures)
         died = [rank for rank, err in failures.items() if isinstance(err, RayActorError)]
         # A rank out of device memory makes its peers' collectives fail too: it is the cause, not they.
         out_of_memory = [rank for rank, err in failures.items()
@@ -424,6 +455,26 @@ class WorkerGroup:
                             cause=cause)
         error.failed_ranks = sorted(failures)
         return error
+
+    def _peer_death(self, failures: dict[int, RayError]) -> "_PeerDeath | None":
+        """A rank that raised because a worker of *another* group died under it (a rollout worker that rank 0
+        streams weights to, say): that worker is the cause, and the error names it."""
+        for rank, err in sorted(failures.items()):
+            if not isinstance(err, RayTaskError):
+                continue
+            cause = err.cause
+            while cause is not None and not isinstance(cause, RayActorError):
+                cause = cause.__cause__ or cause.__context__
+            actor_id = getattr(cause, "actor_id", None) if cause is not None else None
+            if not actor_id:
+                continue
+            for group in list(_LIVE_GROUPS):
+                if group is self:
+                    continue
+                for peer_rank, actor in enumerate(group._actors):
+                    if actor._actor_id.hex() == actor_id:
+                        return _PeerDeath(group, peer_rank, rank, cause)
+        return None
 
     @staticmethod
     def _summarize(err: RayError) -> str:
@@ -467,6 +518,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         """Kill the actors and give the group's bundle share back to the pool; safe to call twice."""
+        _LIVE_GROUPS.discard(self)
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)

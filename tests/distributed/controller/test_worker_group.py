@@ -119,6 +119,16 @@ class TensorParallelWorker(CollectiveWorker):
         return tokens[:, 0].tolist()
 
 
+class CallsPeers:
+    """Calls the workers of another group, as training rank 0 streams weight buckets to rollout workers."""
+
+    def attach(self, peers: list) -> None:
+        self.peers = peers
+
+    def push_to_peers(self) -> list:
+        return ray.get([peer.execute.remote("where") for peer in self.peers], timeout=30)
+
+
 class LightWorker:
     """No torch.distributed world: used where only placement matters."""
 
@@ -303,6 +313,30 @@ class _Hungry:
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def compute_log_probs(self):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB.")
+
+
+def test_a_worker_that_died_under_another_groups_call_is_named_not_the_caller():
+    """one_step_off's weight sync: rank 0 of the trainer calls the rollout workers; SIGKILL one of them and the
+    error must name the dead rollout worker (group, rank, pid), not the live trainer rank that saw it."""
+    pool = ResourcePool("peers", nodes=[2], device="cpu", cpus_per_process=CPUS_PER_RANK)
+    try:
+        callers = WorkerGroup(pool, CallsPeers, name_prefix="caller", bundle_share=0.5)
+        rollout = WorkerGroup(pool, LightWorker, init_args=("r",), name_prefix="rollout", bundle_share=0.5)
+        callers.call_rank(0, "attach", rollout.actors)
+        assert [w["marker"] for w in callers.call_rank(0, "push_to_peers")] == ["r", "r"]
+        victim_pid = rollout.worker_infos[1]["pid"]
+        os.kill(victim_pid, 9)
+        with pytest.raises(WorkerError) as caught:
+            callers.call_rank(0, "push_to_peers")
+        err = caught.value
+        assert (err.group_name, err.rank, err.pid) == ("rollout", 1, victim_pid), str(err)
+        assert "died" in str(err) and "'caller' rank 0 was calling it in push_to_peers()" in str(err)
+        with pytest.raises(RuntimeError, match="broken"):
+            rollout.call("where")
+        callers.shutdown()
+        rollout.shutdown()
+    finally:
+        pool.release()
 
 
 # --- the two tests below break the pair groups; keep them last -----------------------------------------------

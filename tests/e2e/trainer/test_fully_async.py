@@ -124,22 +124,28 @@ def test_fully_async_grpo_learns_within_the_staleness_bound_and_resumes_its_buff
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
-def test_a_dead_rollout_worker_fails_the_run_fast_with_its_name(tmp_path, monkeypatch, mode):
-    """SIGKILL of the rollout worker as it starts its third generation, while the trainer trains beside it:
-    the run fails naming the rollout group and its method within seconds, no hang in the producer thread."""
+@pytest.mark.parametrize("mode, kill_at", [("one_step_off", "rollout_generate:3"), ("fully_async", "rollout_generate:3"),
+                                           ("one_step_off", "rollout_receive_weights:5")])
+def test_a_dead_rollout_worker_fails_the_run_fast_with_its_name(tmp_path, monkeypatch, mode, kill_at):
+    """SIGKILL of the rollout worker as it starts its third generation, while the trainer trains beside it, or
+    as it takes a weight bucket from training rank 0 (which then fails in sync_weights): the run fails naming
+    the rollout group within seconds, not the live trainer rank that saw the death; no hang in the producer."""
     from megarl.controller.worker_group import WorkerError
     from megarl.trainer.main import run
     from megarl.trainer.rollout_producer import ProducerError
 
-    monkeypatch.setenv("MEGARL_KILL_AT", "rollout_generate:3")  # the workers inherit the driver's environment
+    monkeypatch.setenv("MEGARL_KILL_AT", kill_at)  # the workers inherit the driver's environment
     start = time.monotonic()
     with pytest.raises((WorkerError, ProducerError)) as info:
         run(_config(tmp_path, f"async_training.mode={mode}", "trainer.total_training_steps=6",
                     "trainer.worker_timeout_s=300", "async_training.partial_rollout_chunk=2"))
     assert time.monotonic() - start < 120, "a dead worker must not wait for a timeout"
     error = info.value if isinstance(info.value, WorkerError) else info.value.__cause__
-    assert isinstance(error, WorkerError) and "rollout" in str(error) and "generate" in str(error), str(error)
+    assert isinstance(error, WorkerError) and error.group_name == "rollout" and "died" in str(error), str(error)
+    if kill_at.startswith("rollout_generate"):
+        assert "generate" in str(error), str(error)
+    else:
+        assert "'actor_rollout_ref' rank 0 was calling it in sync_weights()" in str(error), str(error)
 
 
 @pytest.mark.timeout(600)
