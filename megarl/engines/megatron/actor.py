@@ -82,8 +82,9 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
     ) -> dict[str, float]:
         """PPO loop over this DP shard. ``mini_batch_size`` is in local rows (default: the whole shard);
         each mini-batch is one optimizer step whose loss is normalised over all DP ranks' rows of that
-        mini-batch. Returns metrics averaged over the steps: pg_loss, pg_clipfrac, ppo_kl, entropy,
-        (kl_loss), loss, grad_norm, lr."""
+        mini-batch. Returns metrics averaged over the steps: pg_loss, pg_clipfrac, pg_clipfrac_lower (dual clip
+        active), ppo_kl, entropy, (kl_loss), loss, grad_norm, lr, and loss_tokens (the tokens the loss counted in one
+        epoch over every DP rank's rows: what the loss mask let through)."""
         if not self.trainable:
             raise RuntimeError("update_policy needs an engine built with an optimizer_config")
         for name in ("old_log_probs", "advantages"):
@@ -101,7 +102,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         # the tokens it rejected out of the loss and out of its token counts
         fields += tuple(name for name in ("rollout_is_weights", "loss_mask") if getattr(batch, name) is not None)
 
-        names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "ppo_kl_wsum"]
+        names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "pg_clipfrac_lower_wsum", "ppo_kl_wsum"]
         if use_kl_loss:
             names.append("kl_loss")
         steps = []
@@ -131,6 +132,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                     reported = {
                         "pg_loss": pg_loss.detach(), "entropy": entropy_share.detach(),
                         "pg_clipfrac_wsum": n_tok * pg_metrics["pg_clipfrac"],
+                        "pg_clipfrac_lower_wsum": n_tok * pg_metrics["pg_clipfrac_lower"],
                         "ppo_kl_wsum": n_tok * pg_metrics["ppo_kl"], "num_tokens": n_tok,
                     }
                     if use_kl_loss:
@@ -146,6 +148,10 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                 reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
                 metrics = self.reduce_step_metrics(reported, names)
                 metrics.update(self.optimizer_step())
+                metrics["loss_tokens"] = num_tokens
                 steps.append(metrics)
         self.advance_lr_schedule()
-        return average_metrics(steps)
+        result = average_metrics(steps)
+        # the tokens the loss counted over the whole batch (all DP ranks) in one epoch: what the loss mask let in
+        result["loss_tokens"] = float(sum(step["loss_tokens"] for step in steps[:num_mini]))
+        return result

@@ -5,6 +5,7 @@ answer scored; real Ray workers, Megatron actor, HF rollout engine."""
 import pytest
 
 from megarl.run_config import load_config
+from tests.e2e.trainer.learning import rose_beyond_noise
 from tests.paths import REPO
 
 
@@ -20,6 +21,9 @@ MULTI_TURN = (
 )
 
 
+RESPONSES_PER_STEP = 16 * 8  # grpo_tiny's data.train_batch_size x rollout.n
+
+
 def _config(tmp_path, *overrides):
     return load_config(REPO / "configs" / "grpo_tiny.yaml", [
         f"trainer.default_local_dir={tmp_path}", "trainer.progress_bar=false", "trainer.val_before_train=false",
@@ -32,10 +36,9 @@ def test_multi_turn_grpo_trains_on_the_generated_tokens_and_scores_the_final_ans
 
     history = run(_config(tmp_path, "trainer.total_training_steps=20", "trainer.test_freq=20"))
     scores = [h["critic/score/mean"] for h in history]
-    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
-    print("scores", [round(s, 3) for s in scores])
     print("turns", [round(h["agent/turns/mean"], 2) for h in history])
-    assert last > first + 0.05, f"mean reward did not rise: first five {scores[:5]}, last five {scores[-5:]}"
+    rose, how = rose_beyond_noise(scores, first=5, last=5, responses_per_step=RESPONSES_PER_STEP)
+    assert rose, f"mean reward did not rise: {how}"
     for h in history[:5]:  # a random policy's turns are read as calls: tool turns are in the responses ...
         assert h["agent/tool_calls/mean"] > 0.5 and 0 < h["agent/generated_token_fraction"] < 1
     for h in history:
@@ -43,6 +46,9 @@ def test_multi_turn_grpo_trains_on_the_generated_tokens_and_scores_the_final_ans
         # ... and out of the policy's statistics: the trainer's log-probs of the generated tokens equal the
         # rollout engine's (a tool token counted here would differ by its whole log-prob, not by 1e-4)
         assert h["rollout/log_prob_diff_max"] < 1e-3, (h["step"], h["rollout/log_prob_diff_max"])
+        # ... and out of the loss: the tokens the actor's loss counted are the generated ones, not the responses'
+        generated = h["agent/generated_token_fraction"] * h["response_length/mean"] * RESPONSES_PER_STEP
+        assert abs(h["actor/loss_tokens"] - generated) < 0.5, (h["step"], h["actor/loss_tokens"], generated)
     assert history[-1]["val/score/mean"] >= 0 and "agent/turns/mean" in history[-1]
 
 

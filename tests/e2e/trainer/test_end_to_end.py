@@ -10,6 +10,7 @@ import torch
 
 from megarl.run_config import load_config
 from megarl.trainer.metrics import read_jsonl_metrics
+from tests.e2e.trainer.learning import rose_beyond_noise, sampling_sd
 from tests.paths import REPO
 
 
@@ -44,43 +45,71 @@ def golden_curves() -> list[list[float]]:
     return list(json.loads(GOLDEN.read_text())["scores_by_seed"].values())
 
 
-def sampling_sd(mean: float, steps: int) -> float:
-    """Standard deviation of a mean reward in [0, 1] over ``steps`` steps' responses, from sampling alone."""
-    return math.sqrt(mean * (1 - mean) / (steps * RESPONSES_PER_STEP))
-
-
-def golden_band() -> list[tuple[float, float]]:
+def golden_band(curves: list[list[float]] | None = None) -> list[tuple[float, float]]:
     """(low, high) of the mean reward per window of steps, from the recorded curves of seven seed sets.
 
     A run on another CPU samples other tokens as soon as one float differs (AVX-512 vs AVX2 kernels), so it is
     one more draw of the same learning process, not a copy of a recorded one: each window's band is the seeds'
-    mean +- 4 standard deviations of the seeds' window means (at least of the sampling noise of a window mean)."""
-    curves = golden_curves()
+    mean +- 4 standard deviations of the seeds' window means (at least of the sampling noise of a window mean).
+    Its half-widths are the effect it can detect: a window mean off by more than that fails (see
+    ``test_the_band_detects_shifts_beyond_its_half_width_and_states_them``)."""
+    curves = curves or golden_curves()
     band = []
     for start in range(0, len(curves[0]), WINDOW):
         means = [statistics.fmean(curve[start:start + WINDOW]) for curve in curves]
         mean = statistics.fmean(means)
-        spread = max(statistics.stdev(means), sampling_sd(mean, WINDOW))
+        spread = max(statistics.stdev(means), sampling_sd(mean, WINDOW, RESPONSES_PER_STEP))
         band.append((mean - SIGMAS * spread, mean + SIGMAS * spread))
     return band
 
 
 def learned(scores: list[float]) -> tuple[bool, str]:
     """Whether the last 10 steps' mean reward exceeds the first 5 steps' by more than 4 standard deviations of
-    that difference for a policy that does not learn (sampling noise only)."""
-    first, last = statistics.fmean(scores[:5]), statistics.fmean(scores[-10:])
-    noise = math.hypot(sampling_sd(first, 5), sampling_sd(first, 10))
-    return last - first > SIGMAS * noise, f"first 5 steps {first:.3f}, last 10 {last:.3f}, noise sd {noise:.3f}"
+    that difference for a policy that does not learn (tests/e2e/trainer/learning.py)."""
+    return rose_beyond_noise(scores, first=5, last=10, responses_per_step=RESPONSES_PER_STEP, sigmas=SIGMAS)
 
 
-def test_every_recorded_seed_passes_the_checks_and_a_flat_curve_does_not():
-    band = golden_band()
-    for seed, curve in enumerate(golden_curves()):
+def _in_band(curve: list[float], band) -> bool:
+    return all(low <= statistics.fmean(curve[i * WINDOW:(i + 1) * WINDOW]) <= high
+               for i, (low, high) in enumerate(band))
+
+
+def test_every_recorded_seed_lies_in_the_band_of_the_others_and_a_flat_curve_does_not():
+    """Leave one out: each recorded seed against the band the other six make (a seed inside the band of all
+    seven proves nothing: any one of seven values lies within 2.27 sd of their mean, and the band is 4 sd)."""
+    curves = golden_curves()
+    for seed, curve in enumerate(curves):
         assert learned(curve)[0], (seed, learned(curve)[1])
-        for (low, high), start in zip(band, range(0, 30, WINDOW)):
-            assert low <= statistics.fmean(curve[start:start + WINDOW]) <= high, (seed, start)
-    flat = [statistics.fmean(golden_curves()[0][:5])] * 30  # a policy that never learns
-    assert not learned(flat)[0] and flat[-1] < band[-1][0]
+        assert _in_band(curve, golden_band(curves[:seed] + curves[seed + 1:])), seed
+    flat = [statistics.fmean(curves[0][:5])] * 30  # a policy that never learns
+    assert not learned(flat)[0] and not _in_band(flat, golden_band())
+
+
+def test_the_band_detects_shifts_beyond_its_half_width_and_states_them():
+    """The detectable effect per window (reward units), printed; a recorded seed moved by just more than one
+    window's half-width in that window alone leaves the band, by just less it stays (the band is what it says)."""
+    band, curve = golden_band(), golden_curves()[0]
+    half_widths = [(high - low) / 2 for low, high in band]
+    print("golden band: detectable shift of a 5-step mean reward, per window:",
+          [f"steps {i * WINDOW + 1}-{(i + 1) * WINDOW}: {w:.3f}" for i, w in enumerate(half_widths)])
+    for index, (low, high) in enumerate(band):
+        mean = statistics.fmean(curve[index * WINDOW:(index + 1) * WINDOW])
+        for target, inside in ((high + 1e-3, False), (low - 1e-3, False), ((low + high) / 2, True)):
+            moved = list(curve)
+            for step in range(index * WINDOW, (index + 1) * WINDOW):
+                moved[step] += target - mean
+            assert _in_band(moved, band) is inside, (index, target)
+    assert max(half_widths[:2]) < 0.06  # the first ten steps pin the start of learning to +-0.06
+
+
+def test_the_noise_model_holds_on_the_recorded_curves():
+    """learning.py bounds a step's sampling noise by the binomial p(1-p)/R; the recorded curves' step-to-step
+    scatter (each step against the mean of its neighbours, which removes the slow learning trend) must not
+    exceed it, or every learning check would claim more certainty than it has."""
+    residuals = [c[i] - (c[i - 1] + c[i + 1]) / 2 for c in golden_curves() for i in range(1, len(c) - 1)]
+    scatter = math.sqrt(statistics.fmean(r * r for r in residuals) / 1.5)  # var(x - (y + z)/2) = 1.5 var
+    p = statistics.fmean(statistics.fmean(c) for c in golden_curves())
+    assert scatter <= sampling_sd(p, 1, RESPONSES_PER_STEP), (scatter, sampling_sd(p, 1, RESPONSES_PER_STEP))
 
 
 @pytest.fixture(scope="module")

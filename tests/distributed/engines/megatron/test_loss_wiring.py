@@ -1,0 +1,173 @@
+"""Every loss option and every batch field of the actor update reaches the loss, at the engine.
+
+One CPU rank, the tiny GPT, lr = 0 (the weights never move, so every call sees the same model and its metrics
+differ only through what it was given). Against one baseline call:
+
+* each keyword option of ``ActorEngine.update_policy`` that shapes the loss, changed alone, changes a metric
+  that the option is about (the table must name every keyword: a new option without a row fails here);
+* each field that ``SHIPPED_FIELDS["update_actor"]`` sends to the worker, perturbed alone, changes the metrics
+  (a field dropped on the way, or replaced by another, changes nothing);
+* the fields the engine reads are exactly the shipped ones (read through a batch that records its reads).
+
+The same perturbations through the driver's facade and a real worker: tests/distributed/controller/
+test_update_wiring.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from megarl.batch import TrainBatch
+from megarl.controller.roles import SHIPPED_FIELDS
+from tests.dist_harness import run_distributed
+
+BASE = dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, entropy_coeff=0.0,
+            use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", loss_agg_mode="token-mean",
+            norm_length=None)
+# option -> (changed value, extra changes it needs to matter, the metrics it must move)
+OPTIONS = {
+    "policy_loss_name": ("gspo", {"clip_ratio_c": None}, ("pg_loss",)),
+    "clip_ratio_low": (0.05, {}, ("pg_clipfrac",)),
+    "clip_ratio_high": (0.05, {}, ("pg_clipfrac", "pg_loss")),
+    "clip_ratio_c": (None, {}, ("pg_clipfrac_lower", "pg_loss")),
+    "entropy_coeff": (0.1, {}, ("loss",)),
+    "use_kl_loss": (False, {}, ("loss",)),
+    "kl_loss_coef": (0.5, {}, ("loss",)),
+    "kl_loss_type": ("k1", {}, ("kl_loss",)),
+    "loss_agg_mode": ("seq-mean-token-sum", {}, ("pg_loss",)),
+    "norm_length": (24, {"loss_agg_mode": "seq-mean-token-sum-norm"}, ("pg_loss",)),
+}
+SCHEDULE = {"ppo_epochs", "mini_batch_size"}  # how often the loss runs, not what it is
+
+
+def _perturbed(batch: TrainBatch, field: str) -> TrainBatch:
+    g = torch.Generator().manual_seed(7)
+    value = getattr(batch, field).clone()
+    real = batch.response_mask.bool()
+    if field == "prompt_ids":
+        value[:, -1] = (value[:, -1] + 5) % 50 + 3  # the last prompt token of every row is real
+    elif field == "prompt_mask":
+        value[:, 0] = 1 - value[:, 0]  # one more (or one fewer) real token at the left
+    elif field == "response_ids":
+        value[real] = (value[real] + 3) % 50 + 3
+    elif field in ("old_log_probs", "ref_log_probs"):
+        value = value + 0.3 * torch.randn(value.shape, generator=g)
+    elif field == "advantages":
+        value = value.flip(0)
+    elif field == "rollout_is_weights":
+        value = value * torch.rand(value.shape, generator=g)
+    elif field == "loss_mask":
+        value = batch.response_mask.clone()  # the tokens the loss mask left out come back
+    elif field == "response_mask":
+        return dataclasses.replace(batch, response_mask=value, loss_mask=None)  # without a loss mask it counts
+    else:
+        raise KeyError(f"no perturbation for shipped field {field!r}: add one")
+    return dataclasses.replace(batch, **{field: value})
+
+
+class _RecordingBatch(TrainBatch):
+    """A TrainBatch that notes which of its fields are read (not counting the copy that cuts mini-batches)."""
+
+    read: set = set()
+    paused = False
+
+    def __getattribute__(self, name):
+        if name in _FIELD_NAMES and not _RecordingBatch.paused:
+            _RecordingBatch.read.add(name)
+        return super().__getattribute__(name)
+
+
+def _select_rows_unrecorded(select_rows):
+    def select(batch, index):
+        _RecordingBatch.paused = True
+        try:
+            return select_rows(batch, index)
+        finally:
+            _RecordingBatch.paused = False
+    return select
+
+
+_FIELD_NAMES = {f.name for f in dataclasses.fields(TrainBatch)}
+
+
+def _wiring_worker(rank):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megarl.engines.megatron.actor import ActorEngine
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from tests.distributed.engines.megatron.tiny_setup import gpt_provider, synthetic_batch, tiny_config
+
+    initialize_megatron_parallel(layout=ParallelLayout(), seed=1)
+    config = tiny_config()
+    actor = ActorEngine(model_provider=gpt_provider(config), config=config,
+                        optimizer_config=OptimizerConfig(lr=0.0, min_lr=0.0), micro_batch_size=4)
+    batch = synthetic_batch(8)
+    g = torch.Generator().manual_seed(3)
+    log_probs, _ = actor.compute_log_probs(batch)
+    shift = 0.3 * torch.randn(log_probs.shape, generator=g)
+    shift[:, 0] = -1.5  # ratio e^1.5 > clip_ratio_c on the first token: the dual clip has work to do
+    batch.old_log_probs = log_probs + shift
+    batch.ref_log_probs = log_probs + 0.2 * torch.randn(log_probs.shape, generator=g)
+    batch.advantages = torch.randn(8, 1, generator=g).expand_as(log_probs).contiguous()
+    batch.rollout_is_weights = 0.5 + torch.rand(log_probs.shape, generator=g)
+    batch.loss_mask = batch.response_mask.clone()
+    batch.loss_mask[::2, 1] = 0  # tool tokens, say
+
+    def update(b, **changes):
+        return actor.update_policy(b, mini_batch_size=8, **{**BASE, **changes})
+
+    results = {"base": update(batch), "base_again": update(batch)}
+    for option, (value, extra, _) in OPTIONS.items():
+        results[f"option:{option}"] = update(batch, **extra, **{option: value})
+        if extra:
+            results[f"option:{option}:reference"] = update(batch, **extra)
+    for field in SHIPPED_FIELDS["update_actor"]:
+        results[f"field:{field}"] = update(_perturbed(batch, field))
+    import megarl.engines.megatron.actor as actor_module
+
+    actor_module.select_rows = _select_rows_unrecorded(actor_module.select_rows)
+    _RecordingBatch.read = set()
+    update(_RecordingBatch(**{f: getattr(batch, f) for f in _FIELD_NAMES}))
+    results["read"] = sorted(_RecordingBatch.read)
+    return results
+
+
+@pytest.fixture(scope="module")
+def wiring():
+    return run_distributed(_wiring_worker, 1, timeout_s=300)[0]
+
+
+def _moved(a: dict, b: dict, names) -> bool:
+    return any(abs(a.get(n, 0.0) - b.get(n, 0.0)) > 1e-6 * max(1.0, abs(a.get(n, 0.0))) for n in names)
+
+
+def test_the_option_table_names_every_keyword_of_the_update():
+    keywords = {name for name, p in inspect.signature(__import__(
+        "megarl.engines.megatron.actor", fromlist=["ActorEngine"]).ActorEngine.update_policy).parameters.items()
+        if p.kind is p.KEYWORD_ONLY}
+    assert keywords - SCHEDULE == set(OPTIONS) == set(BASE)
+
+
+def test_the_baseline_repeats_exactly(wiring):
+    assert wiring["base"] == wiring["base_again"]  # lr = 0: nothing but the inputs can move a metric
+    assert wiring["base"]["pg_clipfrac"] > 0 and wiring["base"]["pg_clipfrac_lower"] > 0
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_each_loss_option_reaches_the_loss_and_shows_in_its_metric(wiring, option):
+    _, extra, metrics = OPTIONS[option]
+    reference = wiring[f"option:{option}:reference"] if extra else wiring["base"]
+    assert _moved(reference, wiring[f"option:{option}"], metrics), (option, reference, wiring[f"option:{option}"])
+
+
+@pytest.mark.parametrize("field", SHIPPED_FIELDS["update_actor"])
+def test_each_shipped_field_reaches_the_loss(wiring, field):
+    assert _moved(wiring["base"], wiring[f"field:{field}"], ("pg_loss", "loss", "kl_loss", "grad_norm")), field
+
+
+def test_the_engine_reads_exactly_the_shipped_fields(wiring):
+    assert wiring["read"] == sorted(SHIPPED_FIELDS["update_actor"])
