@@ -1,11 +1,13 @@
-"""Every loss option and every batch field of the actor update reaches the loss, at the engine.
+"""Every loss option and every batch field of the actor's and the critic's update reaches the loss, at the engine.
 
 One CPU rank, the tiny GPT, lr = 0 (the weights never move, so every call sees the same model and its metrics
 differ only through what it was given). Against one baseline call:
 
-* each keyword option of ``ActorEngine.update_policy`` that shapes the loss, changed alone, changes a metric
+* each keyword option of ``ActorEngine.update_policy`` / ``CriticEngine.update_critic`` that shapes the loss,
+  changed alone, changes a metric
   that the option is about (the table must name every keyword: a new option without a row fails here);
-* each field that ``SHIPPED_FIELDS["update_actor"]`` sends to the worker, perturbed alone, changes the metrics
+* each field that ``SHIPPED_FIELDS["update_actor" / "update_critic"]`` sends to the worker, perturbed alone,
+  changes the metrics
   (a field dropped on the way, or replaced by another, changes nothing);
 * the fields the engine reads are exactly the shipped ones (read through a batch that records its reads).
 
@@ -42,6 +44,12 @@ OPTIONS = {
     "norm_length": (24, {"loss_agg_mode": "seq-mean-token-sum-norm"}, ("pg_loss",)),
 }
 SCHEDULE = {"ppo_epochs", "mini_batch_size"}  # how often the loss runs, not what it is
+CRITIC_BASE = dict(cliprange_value=0.5, loss_agg_mode="token-mean", norm_length=None)
+CRITIC_OPTIONS = {
+    "cliprange_value": (0.05, {}, ("vf_clipfrac", "vf_loss")),
+    "loss_agg_mode": ("seq-mean-token-sum", {}, ("vf_loss",)),
+    "norm_length": (24, {"loss_agg_mode": "seq-mean-token-sum-norm"}, ("vf_loss",)),
+}
 
 
 def _perturbed(batch: TrainBatch, field: str) -> TrainBatch:
@@ -54,16 +62,23 @@ def _perturbed(batch: TrainBatch, field: str) -> TrainBatch:
         value[:, 0] = 1 - value[:, 0]  # one more (or one fewer) real token at the left
     elif field == "response_ids":
         value[real] = (value[real] + 3) % 50 + 3
-    elif field in ("old_log_probs", "ref_log_probs"):
+    elif field in ("old_log_probs", "ref_log_probs", "values", "returns"):
         value = value + 0.3 * torch.randn(value.shape, generator=g)
     elif field == "advantages":
         value = value.flip(0)
     elif field == "rollout_is_weights":
         value = value * torch.rand(value.shape, generator=g)
-    elif field == "loss_mask":
-        value = batch.response_mask.clone()  # the tokens the loss mask left out come back
+    elif field in ("loss_mask", "generated_mask"):
+        # as many tokens left out, but other ones: the token counts (the loss's normaliser) stay the same, so
+        # only a mask that reaches the per-token loss moves it
+        excluded = (batch.response_mask.bool() & ~value.bool()).nonzero()
+        included = (value.bool()).nonzero()
+        assert len(excluded) and len(included) > 2 * len(excluded), "the batch leaves too few tokens out"
+        value = batch.response_mask.clone()
+        value[included[-len(excluded):].unbind(1)] = 0
     elif field == "response_mask":
-        return dataclasses.replace(batch, response_mask=value, loss_mask=None)  # without a loss mask it counts
+        # without a loss / generated mask it is the one that counts
+        return dataclasses.replace(batch, response_mask=value, loss_mask=None, generated_mask=None)
     else:
         raise KeyError(f"no perturbation for shipped field {field!r}: add one")
     return dataclasses.replace(batch, **{field: value})
@@ -88,23 +103,50 @@ def _select_rows_unrecorded(select_rows):
             return select_rows(batch, index)
         finally:
             _RecordingBatch.paused = False
+    select.unrecorded = True
     return select
 
 
 _FIELD_NAMES = {f.name for f in dataclasses.fields(TrainBatch)}
 
 
+def _record_reads(update, batch: TrainBatch) -> list[str]:
+    import megarl.engines.megatron.actor as actor_module
+    import megarl.engines.megatron.critic as critic_module
+
+    for module in (actor_module, critic_module):
+        if not getattr(module.select_rows, "unrecorded", False):
+            module.select_rows = _select_rows_unrecorded(module.select_rows)
+    _RecordingBatch.read = set()
+    update(_RecordingBatch(**{f: getattr(batch, f) for f in _FIELD_NAMES}))
+    return sorted(_RecordingBatch.read)
+
+
+def _sweep(update, batch, base: dict, options: dict, method: str) -> dict:
+    results = {"base": update(batch), "base_again": update(batch)}
+    for option, (value, extra, _) in options.items():
+        results[f"option:{option}"] = update(batch, **extra, **{option: value})
+        if extra:
+            results[f"option:{option}:reference"] = update(batch, **extra)
+    for field in SHIPPED_FIELDS[method]:
+        results[f"field:{field}"] = update(_perturbed(batch, field))
+    results["read"] = _record_reads(update, batch)
+    return results
+
+
 def _wiring_worker(rank):
     from megatron.core.optimizer import OptimizerConfig
 
     from megarl.engines.megatron.actor import ActorEngine
+    from megarl.engines.megatron.critic import CriticEngine
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
     from tests.distributed.engines.megatron.tiny_setup import gpt_provider, synthetic_batch, tiny_config
 
     initialize_megatron_parallel(layout=ParallelLayout(), seed=1)
+    frozen = OptimizerConfig(lr=0.0, min_lr=0.0)
     config = tiny_config()
-    actor = ActorEngine(model_provider=gpt_provider(config), config=config,
-                        optimizer_config=OptimizerConfig(lr=0.0, min_lr=0.0), micro_batch_size=4)
+    actor = ActorEngine(model_provider=gpt_provider(config), config=config, optimizer_config=frozen,
+                        micro_batch_size=4)
     batch = synthetic_batch(8)
     g = torch.Generator().manual_seed(3)
     log_probs, _ = actor.compute_log_probs(batch)
@@ -116,23 +158,19 @@ def _wiring_worker(rank):
     batch.rollout_is_weights = 0.5 + torch.rand(log_probs.shape, generator=g)
     batch.loss_mask = batch.response_mask.clone()
     batch.loss_mask[::2, 1] = 0  # tool tokens, say
+    results = {"actor": _sweep(lambda b, **changes: actor.update_policy(b, mini_batch_size=8, **{**BASE, **changes}),
+                               batch, BASE, OPTIONS, "update_actor")}
 
-    def update(b, **changes):
-        return actor.update_policy(b, mini_batch_size=8, **{**BASE, **changes})
-
-    results = {"base": update(batch), "base_again": update(batch)}
-    for option, (value, extra, _) in OPTIONS.items():
-        results[f"option:{option}"] = update(batch, **extra, **{option: value})
-        if extra:
-            results[f"option:{option}:reference"] = update(batch, **extra)
-    for field in SHIPPED_FIELDS["update_actor"]:
-        results[f"field:{field}"] = update(_perturbed(batch, field))
-    import megarl.engines.megatron.actor as actor_module
-
-    actor_module.select_rows = _select_rows_unrecorded(actor_module.select_rows)
-    _RecordingBatch.read = set()
-    update(_RecordingBatch(**{f: getattr(batch, f) for f in _FIELD_NAMES}))
-    results["read"] = sorted(_RecordingBatch.read)
+    critic_config = tiny_config()
+    critic = CriticEngine(model_provider=gpt_provider(critic_config), config=critic_config, optimizer_config=frozen,
+                          micro_batch_size=4)
+    predicted = critic.compute_values(batch)
+    batch.values = predicted + 0.3 * torch.randn(predicted.shape, generator=g)  # old values: clipping has work
+    batch.returns = predicted + torch.randn(predicted.shape, generator=g)
+    batch.generated_mask = batch.loss_mask.clone()
+    results["critic"] = _sweep(
+        lambda b, **changes: critic.update_critic(b, mini_batch_size=8, **{**CRITIC_BASE, **changes}),
+        batch, CRITIC_BASE, CRITIC_OPTIONS, "update_critic")
     return results
 
 
@@ -145,29 +183,42 @@ def _moved(a: dict, b: dict, names) -> bool:
     return any(abs(a.get(n, 0.0) - b.get(n, 0.0)) > 1e-6 * max(1.0, abs(a.get(n, 0.0))) for n in names)
 
 
-def test_the_option_table_names_every_keyword_of_the_update():
-    keywords = {name for name, p in inspect.signature(__import__(
-        "megarl.engines.megatron.actor", fromlist=["ActorEngine"]).ActorEngine.update_policy).parameters.items()
-        if p.kind is p.KEYWORD_ONLY}
-    assert keywords - SCHEDULE == set(OPTIONS) == set(BASE)
+ROLES = {"actor": ("update_actor", "ActorEngine", "update_policy", OPTIONS, BASE, ("pg_loss", "loss", "kl_loss", "grad_norm")),
+         "critic": ("update_critic", "CriticEngine", "update_critic", CRITIC_OPTIONS, CRITIC_BASE, ("vf_loss", "grad_norm"))}
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_the_option_table_names_every_keyword_of_the_update(role):
+    import megarl.engines.megatron.actor
+    import megarl.engines.megatron.critic
+
+    _, engine, method, options, base, _ = ROLES[role]
+    cls = getattr(getattr(megarl.engines.megatron, role), engine)
+    keywords = {name for name, p in inspect.signature(getattr(cls, method)).parameters.items()
+                if p.kind is p.KEYWORD_ONLY}
+    assert keywords - SCHEDULE == set(options) == set(base)
 
 
 def test_the_baseline_repeats_exactly(wiring):
-    assert wiring["base"] == wiring["base_again"]  # lr = 0: nothing but the inputs can move a metric
-    assert wiring["base"]["pg_clipfrac"] > 0 and wiring["base"]["pg_clipfrac_lower"] > 0
+    for role in ROLES:
+        assert wiring[role]["base"] == wiring[role]["base_again"], role  # lr = 0: only the inputs move a metric
+    assert wiring["actor"]["base"]["pg_clipfrac"] > 0 and wiring["actor"]["base"]["pg_clipfrac_lower"] > 0
+    assert wiring["critic"]["base"]["vf_clipfrac"] > 0
 
 
-@pytest.mark.parametrize("option", sorted(OPTIONS))
-def test_each_loss_option_reaches_the_loss_and_shows_in_its_metric(wiring, option):
-    _, extra, metrics = OPTIONS[option]
-    reference = wiring[f"option:{option}:reference"] if extra else wiring["base"]
-    assert _moved(reference, wiring[f"option:{option}"], metrics), (option, reference, wiring[f"option:{option}"])
+@pytest.mark.parametrize("role, option", [(r, o) for r in sorted(ROLES) for o in sorted(ROLES[r][3])])
+def test_each_loss_option_reaches_the_loss_and_shows_in_its_metric(wiring, role, option):
+    _, extra, metrics = ROLES[role][3][option]
+    results = wiring[role]
+    reference = results[f"option:{option}:reference"] if extra else results["base"]
+    assert _moved(reference, results[f"option:{option}"], metrics), (option, reference, results[f"option:{option}"])
 
 
-@pytest.mark.parametrize("field", SHIPPED_FIELDS["update_actor"])
-def test_each_shipped_field_reaches_the_loss(wiring, field):
-    assert _moved(wiring["base"], wiring[f"field:{field}"], ("pg_loss", "loss", "kl_loss", "grad_norm")), field
+@pytest.mark.parametrize("role, field", [(r, f) for r in sorted(ROLES) for f in SHIPPED_FIELDS[ROLES[r][0]]])
+def test_each_shipped_field_reaches_the_loss(wiring, role, field):
+    assert _moved(wiring[role]["base"], wiring[role][f"field:{field}"], ROLES[role][5]), (role, field)
 
 
-def test_the_engine_reads_exactly_the_shipped_fields(wiring):
-    assert wiring["read"] == sorted(SHIPPED_FIELDS["update_actor"])
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_the_engine_reads_exactly_the_shipped_fields(wiring, role):
+    assert wiring[role]["read"] == sorted(SHIPPED_FIELDS[ROLES[role][0]])
