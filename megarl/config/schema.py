@@ -348,6 +348,9 @@ class TrainerConfig:
     worker_timeout_s: float = 600.0
     seed: int = 1
     progress_bar: bool = True
+    # refuse at start-up a run that python -m megarl.plan says does not fit this machine's GPU or host memory
+    # (checked where the driver sees the GPUs: one node); false starts it anyway
+    check_memory_plan: bool = True
 
 
 @dataclass

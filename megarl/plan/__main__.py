@@ -12,78 +12,12 @@ Layout flags given together with --config override the config's values.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
-from megarl.models.parallel_layout import ParallelLayout
+from megarl.plan.from_config import read_hf_config, specs_from_run_config
 from megarl.plan.layout import LayoutSpec, TrainingSpec
 from megarl.plan.memory import plan_layout
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8": 1}
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """Load config.json from ``path`` (the file or the model directory holding it)."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise SystemExit(f"megarl.plan: no HF config.json at {file} (the model path must be an HF model directory)")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise SystemExit(f"megarl.plan: {file} is not valid JSON: {exc}") from exc
-
-
-def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
-    """Translate a :class:`megarl.config.schema.MegarlConfig` into the planner's inputs."""
-    from megarl.config.validate import critic_enabled, training_world_size
-
-    arr = cfg.actor_rollout_ref
-    model_path = arr.model.path
-    if model_path.startswith("embedded:"):
-        raise SystemExit(
-            f"megarl.plan: actor_rollout_ref.model.path={model_path!r} is an embedded test model; "
-            "point it at an HF model directory (e.g. megarl/models/reference_configs/<name>)"
-        )
-    m = arr.actor.megatron
-    layout = LayoutSpec(
-        world_size=training_world_size(cfg),
-        parallel=ParallelLayout.from_megatron_config(m),
-        sequence_parallel=m.sequence_parallel,
-        distributed_optimizer=m.use_distributed_optimizer,
-        # optimizer_offload (verl meaning) parks Adam states on CPU between phases, which offload_train_state
-        # models; Megatron's CPU optimizer step is a different feature the schema may add later.
-        optimizer_cpu_offload=getattr(m, "optimizer_cpu_offload", False),
-        recompute=m.recompute_granularity or "none",
-        rollout_tp=arr.rollout.tensor_model_parallel_size,
-        placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
-        rollout_gpus=cfg.trainer.rollout_gpus,
-    )
-    max_seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    micro_batch_size = arr.actor.ppo_micro_batch_size_per_gpu
-    if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
-        # a token budget holds this many longest-possible rows' worth of activations
-        micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
-    training = TrainingSpec(
-        global_batch_size=arr.actor.ppo_mini_batch_size * arr.rollout.n,
-        micro_batch_size=micro_batch_size,
-        max_seq_len=max_seq_len,
-        use_reference=arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
-        use_critic=critic_enabled(cfg),
-        param_bytes=_DTYPE_BYTES[m.params_dtype],
-        offload_train_state=m.param_offload and m.grad_offload and m.optimizer_offload,
-        rollout_sleeps=arr.rollout.free_cache_engine,
-        rollout_gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-        rollout_weight_bytes=_DTYPE_BYTES.get(arr.rollout.dtype, 2),
-    )
-    hf_config = read_hf_config(model_path)
-    quantization = hf_config.get("quantization_config") or {}
-    if quantization.get("quant_method") == "fp8":
-        # vLLM serves an fp8 checkpoint (DeepSeek-V3) in fp8 whatever the activation dtype.
-        training = replace(training, rollout_weight_bytes=1)
-    return hf_config, layout, training
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides of --config")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0)
     parser.add_argument("--framework-overhead-gib", type=float, default=3.0)
+    parser.add_argument("--host-memory-gib", type=float, help="check the host memory of one node too")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs sharing one host (default: trainer.n_gpus_per_node, "
+                                                         "else 8)")
     layout = parser.add_argument_group("layout (overrides --config)")
     for flag, field_type in (
         ("world-size", int), ("tp", int), ("pp", int), ("vpp", int), ("cp", int), ("ep", int), ("etp", int),
@@ -105,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--no-sequence-parallel", action="store_true")
     layout.add_argument("--no-distributed-optimizer", action="store_true")
     layout.add_argument("--optimizer-cpu-offload", action="store_true")
+    layout.add_argument("--optimizer-offload-fraction", type=float)
     layout.add_argument("--train-mtp", action="store_true")
     training = parser.add_argument_group("training shape (overrides --config)")
     for flag, field_type in (
@@ -142,6 +80,8 @@ def _apply_flags(args, layout: LayoutSpec, training: TrainingSpec) -> tuple[Layo
         layout = replace(layout, distributed_optimizer=False)
     if args.optimizer_cpu_offload:
         layout = replace(layout, optimizer_cpu_offload=True)
+    if args.optimizer_offload_fraction is not None:
+        layout = replace(layout, optimizer_offload_fraction=args.optimizer_offload_fraction)
     if args.train_mtp:
         layout = replace(layout, train_mtp=True)
     if args.critic:
@@ -172,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         layout = LayoutSpec(world_size=args.world_size)
         training = TrainingSpec(global_batch_size=args.global_batch_size)
     layout, training = _apply_flags(args, layout, training)
+    gpus_per_node = args.gpus_per_node or (run_config.trainer.n_gpus_per_node if args.config else 8)
     report = plan_layout(
-        hf_config, layout, training, args.gpu_memory_gib, framework_overhead_gib=args.framework_overhead_gib
+        hf_config, layout, training, args.gpu_memory_gib, framework_overhead_gib=args.framework_overhead_gib,
+        host_memory_gib=args.host_memory_gib, gpus_per_node=gpus_per_node,
     )
     print(report.table())
     return 0 if report.fits else 1

@@ -27,7 +27,10 @@ class LayoutSpec:
     parallel: ParallelLayout = ParallelLayout()
     sequence_parallel: bool = True
     distributed_optimizer: bool = True
+    # megatron's HybridDeviceOptimizer: this fraction of Adam's state and fp32 master weights lives on the host,
+    # and the host runs their step (override_optimizer_config.optimizer_cpu_offload / optimizer_offload_fraction)
     optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     recompute: Recompute = "none"
     train_mtp: bool = False  # keep the DeepSeek MTP module on the last stage and train it
     rollout_tp: int = 1  # GPUs of one rollout engine (tensor/expert parallel inside it)
@@ -57,7 +60,11 @@ class TrainingSpec:
     use_reference: bool = True
     use_critic: bool = False
     param_bytes: int = 2  # training weights: 2 bf16, 4 fp32
+    grad_bytes: int = 4  # megatron's grad buffer: 4 with grad_reduce_in_fp32 (megarl's default), else param_bytes
     offload_train_state: bool = True  # actor/ref/critic states go to CPU outside their own phase
+    # finer: which of the actor's parts leave the GPU while the rollout engine generates (verl's
+    # megatron.{param,grad,optimizer}_offload); None: as offload_train_state says. Grads are dropped, not saved.
+    offload_parts: tuple[bool, bool, bool] | None = None
     rollout_sleeps: bool = True  # colocated rollout engine frees weights + KV cache while training
     rollout_max_num_seqs: int = 256  # sequences one rollout engine decodes at once
     rollout_gpu_memory_utilization: float = 0.85  # vLLM's fraction of the GPU for weights + KV cache

@@ -4,10 +4,16 @@ Everything is bytes on the worst GPU of each pipeline stage; the plan takes the 
 
 Training state (Megatron DDP with fp32 grad buffers, Adam):
   params p B/param (2 bf16, 4 fp32); main grads 4 B/param (Megatron's full-size fp32 grad buffer, not sharded
-  even with the distributed optimizer); optimizer fp32 Adam m + v (8 B/param) plus, for bf16 params, the fp32
-  master copy Megatron's Float16OptimizerWithFloat16Params keeps (12 B/param in all), divided by the
-  data-parallel size (dense weights: dp*cp, routed experts: expert_dp) when the distributed optimizer is on,
-  0 when offloaded to CPU. Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
+  even with the distributed optimizer; ``grad_bytes`` 2 without grad_reduce_in_fp32); optimizer fp32 Adam m + v
+  (8 B/param) plus, for bf16 params, the fp32 master copy Megatron's Float16OptimizerWithFloat16Params keeps
+  (12 B/param in all), divided by the data-parallel size (dense weights: dp*cp, routed experts: expert_dp) when
+  the distributed optimizer is on. With megatron's CPU-offloaded optimizer (HybridDeviceOptimizer, fraction f on
+  the host) each of its parameters also keeps an fp32 copy of its grad (4 B): the host holds f x 16 B/param
+  (pinned grads included), the GPU (1 - f) x 16 B/param, alive across steps. Host memory of a node is that
+  host share plus what the rollout phase parks there (params, the GPU optimizer share; grads are dropped), per
+  GPU of the node; checked when ``host_memory_gib`` is given.
+  Measured for this case: the 7B run on one H100 (docs/benchmarks.md, "7B on one GPU"): rollout, log-prob and
+  update phases within 0.2-2.7% (tests/unit/plan/test_offloaded_optimizer_plan.py). Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
   (ep*etp); the embedding on the first stage and the output head on the last (a tied embedding gets a copy
   there when pp > 1), vocab padded to a multiple of 128*tp as Megatron does.
 
@@ -35,8 +41,10 @@ width D per rank (q = width of the local query heads, kv of the local kv heads):
 Logits (last stage, one micro-batch of b rows, N = b * response tokens, V' = padded vocab / tp): the model's
   logits a*b*s*V', for b > 1 a contiguous copy of the response slice a*N*V', and the three fp32 [N, V'] buffers
   megarl's vocab-parallel log-prob function holds at its forward peak (shifted logits, exp, exp * logits):
-  12*N*V'. The same holds with or without grad, so log-prob (no grad) passes count one layer's activations plus
-  this. An engine that builds explicit [b, 1, s, s] boolean masks keeps M of them on the GPU.
+  12*N*V'. The same holds with or without grad at TP > 1, so log-prob (no grad) passes count one layer's
+  activations plus this; at TP = 1 a no-grad pass holds one fp32 chunk of 2**28 logits instead of the three
+  buffers (megarl's chunked path). The worker brings the whole actor back (params, grads, optimizer) before its
+  log-prob pass, so that phase counts all of it. An engine that builds explicit [b, 1, s, s] boolean masks keeps M of them on the GPU.
 
 Rollout engine (vLLM-style): weights (params / rollout_tp at rollout_weight_bytes) + KV cache; GQA KV per token
 = 2 * layers * kv_heads_per_rank * head_dim * bytes, MLA per token = layers * (kv_lora_rank + rope_dim) * bytes
@@ -48,7 +56,7 @@ A fixed framework_overhead_gib (CUDA context, NCCL buffers, allocator cache and 
 ``nvidia-smi`` sees beyond ``torch.cuda.max_memory_allocated``) is added to every phase; use 0 to compare with
 the allocator's own peak. ``KernelSpec`` says which kernels run (flash vs materialized attention, fused vs
 torch-composite SwiGLU/RMSNorm); ``KernelSpec.megatron_local`` is megarl's local-spec engine as it runs today.
-Leaves out: CPU memory, dynamic batching, activation offload, FP8 training, pipeline bubbles in time, the
+Leaves out: host memory beyond the optimizer and the parked state (the processes themselves), dynamic batching, activation offload, FP8 training, pipeline bubbles in time, the
 optimizer step's own transients (torch's foreach Adam allocates one fp32 copy of the parameters, below the
 activation peak whenever activations exceed 4 B/param).
 """
@@ -67,6 +75,7 @@ GRAD_BYTES = 4
 ADAM_STATE_BYTES = 8  # fp32 exp_avg + exp_avg_sq
 MASTER_PARAM_BYTES = 4  # fp32 copy of 16-bit params (Float16OptimizerWithFloat16Params / distributed optimizer)
 LOGPROB_FP32_BUFFERS = 3  # megarl.engines.megatron.logprob forward peak: shifted logits, exp, exp * logits
+TP1_CHUNK_ELEMENTS = 2**28  # megarl.engines.megatron.logprob._CHUNK_ELEMENTS: the TP = 1 path's fp32 chunk
 
 
 def optimizer_bytes_per_param(param_bytes: int) -> int:
@@ -128,6 +137,11 @@ class PlanReport:
     expert_dp: int = 0
     num_micro_batches: int = 0
     rollout_kv_tokens_capacity: int = 0
+    host: dict[str, float] = field(default_factory=dict)  # host memory of one node by component
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
 
     @property
     def peak_gib(self) -> float:
@@ -153,6 +167,10 @@ class PlanReport:
                 lines.append(f"    {name:<34} {value / GIB:10.2f} GiB")
         if self.rollout_kv_tokens_capacity:
             lines.append(f"rollout KV cache capacity per engine: {self.rollout_kv_tokens_capacity:,} tokens")
+        if self.host:
+            lines.append(f"[host] one node: {self.host_total / GIB:.2f} GiB")
+            for name, value in self.host.items():
+                lines.append(f"    {name:<34} {value / GIB:10.2f} GiB")
         if self.peak is not None:
             lines.append(
                 f"peak: {self.peak_gib:.2f} GiB of {self.gpu_memory_gib:.2f} GiB "
@@ -257,8 +275,11 @@ def layer_activation_bytes(
     )
 
 
-def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) -> float:
-    """Peak bytes of one micro-batch's logits through megarl's vocab-parallel log-prob function."""
+def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, *, with_grad: bool = True) -> float:
+    """Peak bytes of one micro-batch's logits through megarl's log-prob function. A forward-only pass at TP = 1
+    (the old/reference log-probs) runs the chunked path, which holds one fp32 chunk of 2**28 logits at a time
+    (the 7B run on an H100: docs/benchmarks.md, "7B on one GPU"); otherwise three fp32 [N, V/tp] buffers, as
+    measured for actor updates ("Planner vs measured memory")."""
     tp = layout.parallel.tensor_parallel
     vocab = pad_vocab(dims.vocab_size, tp) / tp
     rows = training.micro_batch_size
@@ -268,6 +289,8 @@ def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) ->
     model_logits = a * positions * vocab
     # A [b, R] slice of [b, s, V] logits is contiguous only for b == 1; otherwise reshape copies it.
     slice_copy = a * response * vocab if rows > 1 else 0
+    if tp == 1 and not with_grad:
+        return model_logits + slice_copy + 4 * min(TP1_CHUNK_ELEMENTS, response * vocab)
     return model_logits + slice_copy + 4 * LOGPROB_FP32_BUFFERS * response * vocab
 
 
@@ -326,6 +349,8 @@ def plan_layout(
     *,
     framework_overhead_gib: float = 3.0,
     kernels: KernelSpec = KernelSpec(),
+    host_memory_gib: float | None = None,
+    gpus_per_node: int = 8,
 ) -> PlanReport:
     """Check ``layout`` against the model in ``hf_config`` and estimate per-GPU memory of every RL phase."""
     dims = read_model_dims(hf_config)
@@ -347,7 +372,8 @@ def plan_layout(
     vocab_shard = pad_vocab(dims.vocab_size, tp) * dims.hidden_size / tp
     tokens = training.micro_batch_size * training.max_seq_len // layout.parallel.context_parallel
     # The log-prob function holds the same buffers with and without grad (forward-only passes included).
-    logits_train = logits_forward = logits_bytes(dims, layout, training)
+    logits_train = logits_bytes(dims, layout, training)
+    logits_forward = logits_bytes(dims, layout, training, with_grad=False)
     side = attention_side_bytes(dims, layout, training, kernels, num_micro)
     layer_shape = dict(seq_len=training.max_seq_len, activation_bytes=training.param_bytes, kernels=kernels)
     dense_shards = layout.dp * layout.parallel.context_parallel if layout.distributed_optimizer else 1
@@ -379,6 +405,7 @@ def plan_layout(
     }
 
     per_stage_phases: list[list[PhaseMemory]] = []
+    host_per_stage: list[dict[str, float]] = []
     first_layer = 0
     for stage, n_layers in enumerate(stage_layers):
         layer_kinds = list(dims.moe_layers[first_layer : first_layer + n_layers])
@@ -407,18 +434,26 @@ def plan_layout(
                 + logits_train
             )
         stage_params = dense + expert
-        pb = training.param_bytes
-        optimizer = 0.0
-        if not layout.optimizer_cpu_offload:
-            optimizer = optimizer_bytes_per_param(pb) * (dense / dense_shards + expert / expert_shards)
+        pb, gb = training.param_bytes, training.grad_bytes
+        shard_params = dense / dense_shards + expert / expert_shards  # what this GPU's optimizer steps
+        host_share = layout.optimizer_offload_fraction if layout.optimizer_cpu_offload else 0.0
+        # megatron's HybridDeviceOptimizer keeps fp32 masters + m + v and an fp32 copy of the grads of each of its
+        # parameters: on the host (pinned) for its host share, on the device for the rest (the copy is its
+        # parameters' .grad, alive from one step to the next)
+        hybrid_grads = GRAD_BYTES if layout.optimizer_cpu_offload else 0
+        optimizer = (optimizer_bytes_per_param(pb) + hybrid_grads) * shard_params * (1 - host_share)
+        host_optimizer = (optimizer_bytes_per_param(pb) + GRAD_BYTES) * shard_params * host_share
         dtype = "bf16" if pb == 2 else "fp32"
         optimizer_name = "optimizer (fp32 master+m+v)" if pb < 4 else "optimizer (fp32 Adam m+v)"
+        if layout.optimizer_cpu_offload:
+            optimizer_name = f"optimizer on the GPU ({1 - host_share:.0%} of fp32 master+m+v+grads)"
         actor = {
             f"actor params ({dtype})": pb * stage_params,
-            "actor main grads (fp32)": GRAD_BYTES * stage_params,
+            f"actor main grads ({'fp32' if gb == 4 else 'bf16'})": gb * stage_params,
             f"actor {optimizer_name}": optimizer,
         }
-        actor_params_only = dict(list(actor.items())[:1])
+        params_part, grads_part, optimizer_part = training.offload_parts or (training.offload_train_state,) * 3
+        offloaded = dict(zip(actor, (params_part, grads_part, optimizer_part)))
         ref = {"reference params": pb * stage_params} if training.use_reference else {}
         critic = {}
         if training.use_critic:
@@ -428,19 +463,23 @@ def plan_layout(
             critic_optimizer = optimizer * critic_params / stage_params
             critic = {
                 f"critic params ({dtype})": pb * critic_params,
-                "critic main grads (fp32)": GRAD_BYTES * critic_params,
+                f"critic main grads ({'fp32' if gb == 4 else 'bf16'})": gb * critic_params,
                 f"critic {optimizer_name}": critic_optimizer,
             }
         forward_act = max(layer_activation_bytes(dims, layout, tokens, k, "none", **layer_shape) for k in layer_kinds)
         forward_act += logits_forward if is_last else 0
         colocated = layout.placement == "colocated"
-        kept_train = {} if training.offload_train_state else {**actor, **ref, **critic}
+        # what stays on the GPU while the rollout engine generates (the actor by part; ref/critic as a whole)
+        kept_train = {name: value for name, value in actor.items() if not offloaded[name]}
+        if not training.offload_train_state:
+            kept_train.update({**ref, **critic})
         kept_rollout = rollout_engine if colocated and not training.rollout_sleeps else {}
 
         phases = []
         if colocated:
             phases.append(PhaseMemory("rollout", stage, {**rollout_engine, **kept_train, "framework overhead": overhead}))
-        logprob = {**kept_rollout, **kept_train, **actor_params_only, **ref}
+        # the worker brings every offloaded part of the actor back before its log-prob pass (for_training)
+        logprob = {**kept_rollout, **kept_train, **actor, **ref}
         logprob["forward activations (no grad)"] = forward_act
         logprob.update(side)
         logprob["framework overhead"] = overhead
@@ -459,6 +498,14 @@ def plan_layout(
             critic_train["framework overhead"] = overhead
             phases.append(PhaseMemory("critic train", stage, critic_train))
         per_stage_phases.append(phases)
+        host = {"actor optimizer on the host (fp32 master+m+v + pinned fp32 grads)": host_optimizer}
+        if colocated:  # what the rollout phase parks in host memory (grads are dropped, not saved)
+            host["actor params parked while generating"] = actor[f"actor params ({dtype})"] * params_part
+            host["actor GPU optimizer share parked while generating"] = optimizer * optimizer_part
+            if training.offload_train_state:
+                host.update({f"{name} parked while generating": value for name, value in {**ref, **critic}.items()
+                             if "grads" not in name})
+        host_per_stage.append(host)
 
     for i in range(len(per_stage_phases[0])):
         report.phases.append(max((stage[i] for stage in per_stage_phases), key=lambda p: p.total))
@@ -467,6 +514,17 @@ def plan_layout(
             0, PhaseMemory("rollout (rollout GPUs)", 0, {**rollout_engine, "framework overhead": overhead})
         )
     report.peak = max(report.phases, key=lambda p: p.total)
+    # host memory of one node: every GPU of the node holds its stage's share (the worst stage, to be safe)
+    worst_host = max(host_per_stage, key=lambda h: sum(h.values()))
+    gpus_per_node = min(layout.world_size, gpus_per_node)
+    report.host = {name: value * gpus_per_node for name, value in worst_host.items() if value}
+    if host_memory_gib is not None and report.host_total > host_memory_gib * GIB:
+        top = sorted(report.host.items(), key=lambda kv: -kv[1])
+        errors.append(
+            f"host memory: {report.host_total / GIB:.2f} GiB needed on a node of {gpus_per_node} GPU(s) but it has "
+            f"{host_memory_gib:.2f} GiB (" + ", ".join(f"{n} {v / GIB:.2f} GiB" for n, v in top) + "): lower "
+            "override_optimizer_config.optimizer_offload_fraction or offload fewer parts"
+        )
     for phase in report.phases:
         if phase.total > gpu_bytes:
             top = sorted(phase.components.items(), key=lambda kv: -kv[1])[:3]

@@ -20,6 +20,7 @@ from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
 from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer
+from megarl.trainer.memory_check import check_memory_plan
 from megarl.trainer.scoring import SampleScorer
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.stop_signals import StopSignals
@@ -103,6 +104,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     logger = None
     agent_rollout = None
     try:
+        check_memory_plan(cfg)  # a run that cannot fit is refused here, not in step 1
         save_config(cfg, out_dir / "config.yaml")
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)

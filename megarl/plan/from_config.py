@@ -1,0 +1,84 @@
+"""A run config as the planner's inputs: the model's HF config, the layout, the step's shape."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from megarl.models.parallel_layout import ParallelLayout
+from megarl.plan.layout import LayoutSpec, TrainingSpec
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8": 1}
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """Load config.json from ``path`` (the file or the model directory holding it)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise SystemExit(f"megarl.plan: no HF config.json at {file} (the model path must be an HF model directory)")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"megarl.plan: {file} is not valid JSON: {exc}") from exc
+
+
+def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
+    """Translate a :class:`megarl.config.schema.MegarlConfig` into the planner's inputs."""
+    from megarl.config.validate import critic_enabled, training_world_size
+
+    arr = cfg.actor_rollout_ref
+    model_path = arr.model.path
+    if model_path.startswith("embedded:"):
+        raise SystemExit(
+            f"megarl.plan: actor_rollout_ref.model.path={model_path!r} is an embedded test model; "
+            "point it at an HF model directory (e.g. megarl/models/reference_configs/<name>)"
+        )
+    m = arr.actor.megatron
+    optim_overrides = arr.actor.optim.override_optimizer_config
+    layout = LayoutSpec(
+        world_size=training_world_size(cfg),
+        parallel=ParallelLayout.from_megatron_config(m),
+        sequence_parallel=m.sequence_parallel,
+        distributed_optimizer=m.use_distributed_optimizer,
+        # optimizer_offload (verl's meaning) parks Adam's state on the host while vLLM generates (offload_parts);
+        # megatron's optimizer_cpu_offload keeps a share of it there and steps it on the host
+        optimizer_cpu_offload=bool(optim_overrides.get("optimizer_cpu_offload", False)),
+        optimizer_offload_fraction=float(optim_overrides.get("optimizer_offload_fraction", 1.0)),
+        recompute=m.recompute_granularity or "none",
+        rollout_tp=arr.rollout.tensor_model_parallel_size,
+        placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
+        rollout_gpus=cfg.trainer.rollout_gpus,
+    )
+    max_seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    micro_batch_size = arr.actor.ppo_micro_batch_size_per_gpu
+    if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
+        # a token budget holds this many longest-possible rows' worth of activations
+        micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
+    global_batch_size = arr.actor.ppo_mini_batch_size * arr.rollout.n
+    if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
+        # budgets make as many micro-batches as the tokens need: round the rows up to whole budgets for the
+        # planner's arithmetic (it counts micro-batches in flight, which pipeline stages hold)
+        per_step = micro_batch_size * layout.dp
+        global_batch_size = -(-global_batch_size // per_step) * per_step
+    training = TrainingSpec(
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        max_seq_len=max_seq_len,
+        use_reference=arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward,
+        use_critic=critic_enabled(cfg),
+        param_bytes=_DTYPE_BYTES[m.params_dtype],
+        grad_bytes=4 if m.override_ddp_config.get("grad_reduce_in_fp32", True) else _DTYPE_BYTES[m.params_dtype],
+        offload_train_state=m.param_offload and m.grad_offload and m.optimizer_offload,
+        offload_parts=(m.param_offload, m.grad_offload, m.optimizer_offload),
+        rollout_sleeps=arr.rollout.free_cache_engine,
+        rollout_gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        rollout_weight_bytes=_DTYPE_BYTES.get(arr.rollout.dtype, 2),
+    )
+    hf_config = read_hf_config(model_path)
+    quantization = hf_config.get("quantization_config") or {}
+    if quantization.get("quant_method") == "fp8":
+        # vLLM serves an fp8 checkpoint (DeepSeek-V3) in fp8 whatever the activation dtype.
+        training = replace(training, rollout_weight_bytes=1)
+    return hf_config, layout, training
