@@ -149,6 +149,8 @@ def format_table(result: dict) -> str:
              f" + response {result['response_len']} tokens, {result['steps']} steps (first = warm-up)", "",
              "| stage | seconds |", "| --- | --- |"]
     lines += [f"| {stage} | {means[f'timing_s/{stage}']:.2f} |" for stage in STAGES if f"timing_s/{stage}" in means]
+    if "actor/optimizer_step_s" in means:
+        lines.append(f"(update_actor's optimizer steps: {means['actor/optimizer_step_s']:.2f} s)")
     lines += ["", f"tokens/s/GPU (verl's perf/throughput): {means.get('perf/throughput', float('nan')):,.0f}",
               f"weight sync: {means.get('weight_sync/bytes', 0) / 1e9:.2f} GB at "
               f"{means.get('weight_sync/gb_per_s', float('nan')):.1f} GB/s",

@@ -127,4 +127,6 @@ class CriticEngine(MegatronEngine):
                 metrics.update(self.optimizer_step())
                 steps.append(metrics)
         self.advance_lr_schedule()
-        return average_metrics(steps)
+        result = average_metrics(steps)
+        result["optimizer_step_s"] = sum(step["optimizer_step_s"] for step in steps)  # all of this update's steps
+        return result

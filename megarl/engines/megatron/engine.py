@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Optional
@@ -400,14 +401,24 @@ class MegatronEngine:
         self.optimizer.zero_grad()
 
     def optimizer_step(self) -> dict[str, float]:
-        """One optimizer step (one mini-batch); returns grad_norm (pre-clip, global) and the lr used. The LR
-        schedule does not move here: see :meth:`advance_lr_schedule`."""
+        """One optimizer step (one mini-batch); returns grad_norm (pre-clip, global), the lr used and the step's
+        wall time (``optimizer_step_s``: with megatron's CPU-offloaded optimizer, the host's Adam and the copies
+        both ways, which the update's MFU must be read beside). The LR schedule does not move here: see
+        :meth:`advance_lr_schedule`."""
         lr = self.optimizer.param_groups[0]["lr"]
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if on_cuda:
+            torch.cuda.synchronize()  # the backward's kernels are not the step's
+        start = time.perf_counter()
         with cuda_tensors_on_cpu():
             success, grad_norm, _ = self.optimizer.step()
+        if on_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
         if not success:
             raise FloatingPointError("megatron optimizer step was skipped (inf/nan gradients)")
-        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr),
+                "optimizer_step_s": seconds}
 
     def advance_lr_schedule(self) -> None:
         """One step of the LR schedule per training step (one ``update_*`` call), whatever its number of
