@@ -23,3 +23,9 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, relative
     scale = expected.double().abs().max()
     error = (actual.double() - expected.double()).abs().max()
     assert error <= relative * scale, f"{what}: max error {error:.3g} > {relative:g} x max |expected| {scale:.3g}"
+
+
+def untimed(metrics: dict) -> dict:
+    """``metrics`` without wall-time entries (``*_s``, e.g. ``optimizer_step_s``): what two runs of the same
+    computation must agree on exactly."""
+    return {key: value for key, value in metrics.items() if not key.endswith("_s")}

@@ -336,6 +336,9 @@ class TrainerConfig:
     val_before_train: bool = False
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     resume_mode: str = "auto"  # auto | disable | <checkpoint dir>
+    # resume a checkpoint that a run with another algorithm, model, data or batch shape wrote (the differences
+    # are printed); false refuses it, listing them (megarl.trainer.resume_guard)
+    resume_allow_changes: bool = False
     max_ckpt_to_keep: Optional[int] = 2
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard", "jsonl"])
     nnodes: int = 1

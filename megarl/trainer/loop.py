@@ -29,6 +29,7 @@ from megarl.algorithms.dynamic_sampling import first_groups, overlong_penalty, r
 from megarl.algorithms.masked import masked_mean
 from megarl.algorithms.rollout_correction import compute_rollout_correction, parse_bounds, rs_options, rs_thresholds
 from megarl.batch import RolloutBatch, TrainBatch, concat_rows, select_rows
+from megarl.config.loader import to_dict
 from megarl.config.schema import MegarlConfig
 from megarl.controller.roles import ActorRolloutRef, Critic, Rollout, needs_reference
 from megarl.data.dataset import collate_prompts
@@ -420,6 +421,7 @@ class RLTrainer:
         step = self.state.step
         self.checkpoints.commit(step, staging, {
             "step": step, "train_loader": self.train_loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict(),
+            "config": to_dict(self.cfg),  # what wrote it: a later run resumes it only as the same run (resume_guard)
         }, roles=("actor",) + (("critic",) if self.critic is not None else ()))
         if self.producer is not None:
             self.producer.resume()

@@ -10,17 +10,19 @@ runs :class:`megarl.trainer.loop.RLTrainer`. ``run(cfg)`` is the programmatic fo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megarl.config import MegarlConfig, save_config
+from megarl.config import MegarlConfig
 from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
 from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer
 from megarl.trainer.memory_check import check_memory_plan
+from megarl.trainer.resume_guard import check_resume, resume_point, save_run_config
 from megarl.trainer.scoring import SampleScorer
 from megarl.trainer.run_lock import RunLock
 from megarl.trainer.stop_signals import StopSignals
@@ -104,8 +106,13 @@ def run(cfg: MegarlConfig) -> list[dict]:
     logger = None
     agent_rollout = None
     try:
+        checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep)
+        resume_from = resume_point(cfg, checkpoints)
+        check_resume(cfg, resume_from, total_steps,
+                     json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None
+                     and (resume_from / "trainer_state.json").is_file() else None)
         check_memory_plan(cfg)  # a run that cannot fit is refused here, not in step 1
-        save_config(cfg, out_dir / "config.yaml")
+        save_run_config(cfg, out_dir)
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
         if tools is not None:  # every response a conversation with the tools (validation's too)
@@ -115,7 +122,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
                             scorer=scorer, actor=workers.actor, critic=workers.critic,
                             rollout=agent_rollout or workers.rollout, logger=logger,
-                            checkpoints=CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep),
+                            checkpoints=checkpoints,
                             total_steps=total_steps, stop_requested=lambda: stop.requested)
         with stop:
             return trainer.fit()

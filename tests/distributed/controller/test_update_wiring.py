@@ -13,7 +13,8 @@ import torch
 from megarl.batch import TrainBatch
 from megarl.controller.roles import SHIPPED_FIELDS, start_workers
 from megarl.run_config import load_config
-from tests.distributed.engines.megatron.test_loss_wiring import _perturbed, _untimed
+from tests.distributed.engines.megatron.test_loss_wiring import _perturbed
+from tests.numerics import untimed
 from tests.paths import REPO
 
 ROWS, PROMPT, RESPONSE = 32, 32, 8
@@ -49,7 +50,7 @@ def test_each_shipped_field_reaches_the_engine_through_the_driver(tmp_path):
         batch.loss_mask[::2, 1] = 0
         base = workers.actor.update(batch)
         again = workers.actor.update(batch)
-        assert _untimed(again) == _untimed(base)  # lr = 0: only the inputs move the metrics (wall time aside)
+        assert untimed(again) == untimed(base)  # lr = 0: only the inputs move the metrics (wall time aside)
         unmoved = []
         for field in SHIPPED_FIELDS["update_actor"]:
             metrics = workers.actor.update(_perturbed(batch, field))

@@ -610,3 +610,29 @@ def test_random_init_runs_without_weights_on_disk(tmp_path):
         assert step["rollout/log_prob_diff_max"] < 1e-4, (step["step"], step["rollout/log_prob_diff_max"])
     assert history[0]["actor/ref_kl"] == 0.0  # before the first update the policy is its reference
     assert history[1]["actor/ref_kl"] != 0.0
+
+
+@pytest.mark.timeout(400)
+def test_resume_refuses_another_run_and_a_finished_one(tmp_path, capsys):
+    """The outside probe's case: rerunning after a run made with another estimator resumed it silently, trained
+    nothing (its total was already reached), exited 0 and overwrote config.yaml."""
+    from megarl.config import ConfigError
+
+    common = ("trainer.backend=inprocess", "trainer.save_freq=2")
+    _run(_config(tmp_path, "trainer.total_training_steps=2", *common))
+    with pytest.raises(ConfigError, match=r"step 2 of a run that is done: this run's total is 2 step"):
+        _run(_config(tmp_path, "trainer.total_training_steps=2", *common))
+    changed = ("algorithm.adv_estimator=rloo", "actor_rollout_ref.actor.clip_ratio_high=0.28")
+    with pytest.raises(ConfigError) as caught:
+        _run(_config(tmp_path, "trainer.total_training_steps=3", *changed, *common))
+    assert "algorithm.adv_estimator: 'grpo' -> 'rloo'" in str(caught.value)
+    assert "actor_rollout_ref.actor.clip_ratio_high: 0.2 -> 0.28" in str(caught.value)
+    assert "trainer.resume_allow_changes=true" in str(caught.value)
+    capsys.readouterr()
+    history = _run(_config(tmp_path, "trainer.total_training_steps=3", "trainer.resume_allow_changes=true", *changed,
+                           *common))
+    assert [h["step"] for h in history] == [3]
+    assert "resume with a changed setting (trainer.resume_allow_changes=true): algorithm.adv_estimator" in \
+        capsys.readouterr().out
+    # the refused attempts wrote nothing; the first run's config is kept beside the one that resumed it
+    assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["config.1.yaml"]

@@ -26,6 +26,7 @@ import torch
 from megarl.batch import TrainBatch
 from megarl.controller.roles import SHIPPED_FIELDS
 from tests.dist_harness import run_distributed
+from tests.numerics import untimed
 
 BASE = dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, entropy_coeff=0.0,
             use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", loss_agg_mode="token-mean",
@@ -179,10 +180,6 @@ def wiring():
     return run_distributed(_wiring_worker, 1, timeout_s=300)[0]
 
 
-def _untimed(metrics: dict) -> dict:
-    return {k: v for k, v in metrics.items() if not k.endswith("_s")}
-
-
 def _moved(a: dict, b: dict, names) -> bool:
     return any(abs(a.get(n, 0.0) - b.get(n, 0.0)) > 1e-6 * max(1.0, abs(a.get(n, 0.0))) for n in names)
 
@@ -206,7 +203,7 @@ def test_the_option_table_names_every_keyword_of_the_update(role):
 def test_the_baseline_repeats_exactly(wiring):
     for role in ROLES:
         # lr = 0: only the inputs move a metric (the step's wall time aside)
-        assert _untimed(wiring[role]["base"]) == _untimed(wiring[role]["base_again"]), role
+        assert untimed(wiring[role]["base"]) == untimed(wiring[role]["base_again"]), role
     assert wiring["actor"]["base"]["pg_clipfrac"] > 0 and wiring["actor"]["base"]["pg_clipfrac_lower"] > 0
     assert wiring["critic"]["base"]["vf_clipfrac"] > 0
 
