@@ -36,8 +36,7 @@ from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTra
 from megarl.controller.phase_memory import PhaseMemory
 from megarl.controller.rollout_replicas import form_rollout_replicas, generate_in_replica
 from megarl.controller.rollout_worker import build_rollout_engine_for, check_rollout_tensor_parallel
-from megarl.engines.megatron.engine import MicroBatching
-from megarl.engines.megatron.offload import copy_model_weights
+from megarl.engines.megatron.engine import MicroBatching, copy_model_weights
 from megarl.models.bridge import unwrap_model
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -533,7 +534,9 @@ def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[tor
 
 
 def _progress(enabled: bool, total: int, initial: int):
-    if not enabled:
+    """A live bar only on a terminal: in a log file or under Slurm its carriage returns merge with the step
+    lines, which carry the same information."""
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 

@@ -80,6 +80,18 @@ def build_rm_inputs(cfg: MegarlConfig, policy_tokenizer):
                              retokenize=True if rm.model.input_tokenizer else None)
 
 
+def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Path], total_steps: int) -> str:
+    """Where this run writes, and whether it continues an earlier one: the first lines a user reads."""
+    t = cfg.trainer
+    saves = (f"every {t.save_freq} steps and at the end" if t.save_freq > 0
+             else "only on SIGTERM/SIGUSR1: trainer.save_freq=-1")
+    resume = (f"resumes {resume_from}" if resume_from is not None
+              else "starts afresh" + (" (trainer.resume_mode=disable)" if t.resume_mode == "disable" else ""))
+    return (f"run {t.project_name}/{t.experiment_name}: {total_steps} steps, {resume}\n"
+            f"  outputs:     {out_dir} (config.yaml, metrics, error.log)\n"
+            f"  checkpoints: {out_dir / 'checkpoints'} ({saves})")
+
+
 def run(cfg: MegarlConfig) -> list[dict]:
     """Train to the end of ``cfg``; returns the per-step metric history."""
     from transformers import AutoTokenizer
@@ -113,6 +125,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
                      and (resume_from / "trainer_state.json").is_file() else None)
         check_memory_plan(cfg)  # a run that cannot fit is refused here, not in step 1
         save_run_config(cfg, out_dir)
+        print(start_up_summary(cfg, out_dir, resume_from, total_steps), flush=True)
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
         if tools is not None:  # every response a conversation with the tools (validation's too)

@@ -22,6 +22,12 @@ CONSOLE_KEYS = (
 )
 
 
+def _console_name(key: str) -> str:
+    """``timing_s/step`` reads ``step_time_s`` on the console (a bare ``step=0.28`` beside ``step 3:`` was read
+    as a step number); other keys as they are."""
+    return f"{key.split('/', 1)[1]}_time_s" if key.startswith("timing_s/") else key
+
+
 def _plain(value):
     if hasattr(value, "item"):
         value = value.item()
@@ -57,8 +63,7 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **flat}) + "\n")
         if "console" in self.backends:
-            shown = [f"{k.split('/', 1)[-1] if k.startswith('timing') else k}={flat[k]:.4g}"
-                     for k in CONSOLE_KEYS if k in flat]
+            shown = [f"{_console_name(k)}={flat[k]:.4g}" for k in CONSOLE_KEYS if k in flat]
             # tqdm.write keeps the line and a live progress bar from overwriting each other.
             tqdm.write(f"step {step}: " + "  ".join(shown), file=self.stream)
             self.stream.flush()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -129,6 +130,22 @@ def build_model_chunks(
     for chunk in wrapped:
         chunk.broadcast_params()  # DP replicas start from identical weights whatever their init RNG did
     return wrapped
+
+
+def copy_model_weights(source_chunks, target_chunks) -> None:
+    """Copy every parameter of one engine's model chunks into another's of the same architecture and layout
+    (a reference model that starts as the actor's random initialisation)."""
+    from megarl.models.bridge import unwrap_model
+
+    for source, target in itertools.zip_longest(source_chunks, target_chunks):
+        if source is None or target is None:
+            raise ValueError("copy_model_weights: the two engines have different numbers of model chunks")
+        source_params = dict(unwrap_model(source).named_parameters())
+        with torch.no_grad():
+            for name, param in unwrap_model(target).named_parameters():
+                if name not in source_params or source_params[name].shape != param.shape:
+                    raise ValueError(f"copy_model_weights: parameter {name!r} has no twin of the same shape")
+                param.copy_(source_params[name])
 
 
 def build_lr_scheduler(optimizer, optimizer_config, schedule: LRScheduleConfig):

@@ -120,24 +120,3 @@ def reload_engine(state: OffloadState) -> None:
         torch.cuda.synchronize()
     state.entries.clear()
 
-
-def copy_model_weights(source_chunks, target_chunks) -> None:
-    """Copy every parameter of one engine's model chunks into another's of the same architecture and layout
-    (a reference model that starts as the actor's random initialisation)."""
-    import itertools
-
-    for source, target in itertools.zip_longest(source_chunks, target_chunks):
-        if source is None or target is None:
-            raise ValueError("copy_model_weights: the two engines have different numbers of model chunks")
-        source_params = dict(_unwrapped(source).named_parameters())
-        with torch.no_grad():
-            for name, param in _unwrapped(target).named_parameters():
-                if name not in source_params or source_params[name].shape != param.shape:
-                    raise ValueError(f"copy_model_weights: parameter {name!r} has no twin of the same shape")
-                param.copy_(source_params[name])
-
-
-def _unwrapped(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk

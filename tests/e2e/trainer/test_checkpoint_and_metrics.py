@@ -55,6 +55,7 @@ def test_metrics_reach_console_jsonl_and_tensorboard(tmp_path):
     logger.close()
 
     assert "critic/score/mean=0.5" in console.getvalue()
+    assert "step_time_s=" in console.getvalue() and " step=" not in console.getvalue()  # labelled, not a step number
     rows = read_jsonl_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["critic/score/mean"] == 0.5
     assert rows[0]["timing_s/step"] >= 0

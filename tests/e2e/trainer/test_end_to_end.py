@@ -632,7 +632,9 @@ def test_resume_refuses_another_run_and_a_finished_one(tmp_path, capsys):
     history = _run(_config(tmp_path, "trainer.total_training_steps=3", "trainer.resume_allow_changes=true", *changed,
                            *common))
     assert [h["step"] for h in history] == [3]
-    assert "resume with a changed setting (trainer.resume_allow_changes=true): algorithm.adv_estimator" in \
-        capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resume with a changed setting (trainer.resume_allow_changes=true): algorithm.adv_estimator" in out
+    assert f"3 steps, resumes {tmp_path / 'checkpoints' / 'global_step_2'}" in out  # the start-up summary
+    assert f"checkpoints: {tmp_path / 'checkpoints'} (every 2 steps and at the end)" in out
     # the refused attempts wrote nothing; the first run's config is kept beside the one that resumed it
     assert sorted(p.name for p in (tmp_path / "config_history").iterdir()) == ["config.1.yaml"]
