@@ -78,10 +78,11 @@ def test_multi_turn_one_step_off_checkpoints_the_conversations_in_flight_and_res
     def config(out, stop):
         reward = tmp_path / f"reward_{stop}.py"
         reward.write_text(STOPPING_REWARD.format(stop=stop))
+        # the resume scores through another file (one that sends no signal): a change it must be allowed
         return _config(out, "trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",
                        "async_training.mode=one_step_off", "trainer.test_freq=-1", "trainer.total_training_steps=3",
                        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                       f"reward_model.custom_function.path={reward}")
+                       f"reward_model.custom_function.path={reward}", "trainer.resume_allow_changes=true")
 
     straight = run(config(tmp_path / "straight", -1))
     assert [h["rollout/weight_lag"] for h in straight] == [0.0, 1.0, 1.0]

@@ -60,7 +60,8 @@ def test_one_step_off_trains_one_update_behind_and_resumes_what_was_in_flight(tm
     stopped = run(_config(stopped_dir, _scorer(tmp_path / "stop.py", per_step + 1)))  # SIGTERM while scoring step 2
     assert [row["step"] for row in stopped] == [1, 2]
     assert (stopped_dir / "checkpoints" / "global_step_2" / "in_flight_rollout.pt").is_file()
-    resumed = run(_config(stopped_dir, _scorer(tmp_path / "never_again.py", -1)))
+    # the same scores from a file that sends no signal: another reward path, which resuming must be allowed
+    resumed = run(_config(stopped_dir, _scorer(tmp_path / "never_again.py", -1), "trainer.resume_allow_changes=true"))
     assert [row["step"] for row in resumed] == [3, 4]
     for expected, got in zip(straight[2:], resumed):
         for key in CURVE_KEYS:
