@@ -92,9 +92,13 @@ def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int,
             f"split over {dp} data-parallel ranks"
         )
     if not by_tokens and (responses // dp) % micro:
+        per_rank = responses // dp
+        fits = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
         raise ConfigError(
-            f"{responses // dp} responses per data-parallel rank per mini-batch are not divisible by "
-            f"{prefix}.ppo_micro_batch_size_per_gpu={micro}"
+            f"{per_rank} responses per data-parallel rank per mini-batch ({prefix}.ppo_mini_batch_size={mini} x "
+            f"actor_rollout_ref.rollout.n={n} / {dp} rank(s)) are not divisible by "
+            f"{prefix}.ppo_micro_batch_size_per_gpu={micro}: set it to a divisor of {per_rank} (e.g. "
+            f"{prefix}.ppo_micro_batch_size_per_gpu={fits}), or raise ppo_mini_batch_size"
         )
 
 

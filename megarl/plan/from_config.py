@@ -17,7 +17,12 @@ def read_hf_config(path: str | Path) -> dict:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise SystemExit(f"megarl.plan: no HF config.json at {file} (the model path must be an HF model directory)")
+        references = Path(__file__).resolve().parents[1] / "models" / "reference_configs"
+        names = ", ".join(sorted(p.name for p in references.iterdir() if (p / "config.json").is_file()))
+        shown = references.relative_to(Path.cwd()) if references.is_relative_to(Path.cwd()) else references
+        raise SystemExit(f"megarl.plan: no HF config.json at {file} (the model path must be an HF model directory; "
+                         f"to plan without the weights, give actor_rollout_ref.model.path={shown}/<name>, <name> one "
+                         f"of: {names})")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as exc:

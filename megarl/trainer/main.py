@@ -149,25 +149,50 @@ def run(cfg: MegarlConfig) -> list[dict]:
         lock.release()
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[str]]:
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megarl.trainer.main", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="YAML recipe (see configs/); defaults apply without one")
+    parser.add_argument("--validate-only", action="store_true",
+                        help="load, fill and check the config, plan its memory where the model has an HF config, "
+                             "and exit (0: valid and fits) without starting anything")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides, applied after the file")
-    args = parser.parse_args(argv)
-    return args.config, args.overrides
+    return parser.parse_args(argv)
+
+
+def validate_only(cfg: MegarlConfig) -> int:
+    """What ``--validate-only`` prints: the config is valid (it loaded), and where it can be planned, the plan."""
+    from megarl.plan.from_config import specs_from_run_config
+    from megarl.plan.memory import plan_layout
+
+    t = cfg.trainer
+    print(f"config valid: {t.project_name}/{t.experiment_name}, outputs in {t.default_local_dir}")
+    if not (Path(cfg.actor_rollout_ref.model.path) / "config.json").is_file():
+        print(f"not planned: actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path} has no HF config.json")
+        return 0
+    import torch
+
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
+    report = plan_layout(*specs_from_run_config(cfg), gpu_gib, gpus_per_node=t.n_gpus_per_node)
+    print(report.table())
+    return 0 if report.fits else 1
 
 
 def cli(argv: Optional[Sequence[str]] = None) -> int:
     from megarl.config import ConfigError
 
-    config_path, overrides = parse_args(argv)
+    args = parse_args(argv)
     try:
-        cfg = load_config(config_path, overrides)
+        cfg = load_config(args.config, args.overrides)
+        if args.validate_only:
+            return validate_only(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     try:
         run(cfg)
+    except ConfigError as exc:  # found at start-up: resuming another run, a plan that does not fit
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # bad data, a failing reward, a full disk, a dead worker: one line, traceback filed
         log = Path(cfg.trainer.default_local_dir) / "error.log"
         log.parent.mkdir(parents=True, exist_ok=True)
