@@ -89,7 +89,9 @@ def worker_env_for(device: str) -> dict[str, str]:
     reach only the workers of a cluster started after it was set."""
     from megarl.controller.fault_injection import ENV as KILL_AT
 
-    env = {"TOKENIZERS_PARALLELISM": "false"}
+    from megarl.engines.megatron.expected_warnings import python_warnings_env
+
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": python_warnings_env(os.environ.get("PYTHONWARNINGS"))}
     if device == "cpu":
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     if os.environ.get(KILL_AT):

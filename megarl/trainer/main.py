@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from megarl.config import MegarlConfig
 from megarl.run_config import load_config
 from megarl.config.paths import with_absolute_paths
+from megarl.engines.megatron.expected_warnings import explanation, hide_expected_warnings
 from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer
 from megarl.trainer.memory_check import check_memory_plan
@@ -87,7 +88,8 @@ def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Pat
              else "only on SIGTERM/SIGUSR1: trainer.save_freq=-1")
     resume = (f"resumes {resume_from}" if resume_from is not None
               else "starts afresh" + (" (trainer.resume_mode=disable)" if t.resume_mode == "disable" else ""))
-    return (f"run {t.project_name}/{t.experiment_name}: {total_steps} steps, {resume}\n"
+    steps = f"{total_steps} step{'' if total_steps == 1 else 's'}"
+    return (f"run {t.project_name}/{t.experiment_name}: {steps}, {resume}\n"
             f"  outputs:     {out_dir} (config.yaml, metrics, error.log)\n"
             f"  checkpoints: {out_dir / 'checkpoints'} ({saves})")
 
@@ -126,6 +128,8 @@ def run(cfg: MegarlConfig) -> list[dict]:
         check_memory_plan(cfg)  # a run that cannot fit is refused here, not in step 1
         save_run_config(cfg, out_dir)
         print(start_up_summary(cfg, out_dir, resume_from, total_steps), flush=True)
+        if explanation() is not None:
+            print(f"  note:        {explanation()}", flush=True)
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
         if tools is not None:  # every response a conversation with the tools (validation's too)
@@ -181,6 +185,7 @@ def cli(argv: Optional[Sequence[str]] = None) -> int:
     from megarl.config import ConfigError
 
     args = parse_args(argv)
+    hide_expected_warnings()
     try:
         cfg = load_config(args.config, args.overrides)
         if args.validate_only:
