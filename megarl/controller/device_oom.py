@@ -47,7 +47,8 @@ PHASES: dict[str, tuple[str, tuple[str, ...]]] = {
                      ("actor_rollout_ref.rollout.free_cache_engine=true (vLLM's KV cache and weights freed while "
                       "Megatron trains)", "actor_rollout_ref.rollout.gpu_memory_utilization")),
     "for_weight_sync": ("wake-up of the rollout engine's weights for the weight sync",
-                        ("actor_rollout_ref.rollout.weight_sync_bucket_mb", "actor_rollout_ref.rollout.gpu_memory_utilization")),
+                        ("actor_rollout_ref.rollout.weight_sync_bucket_mb",
+                         "actor_rollout_ref.rollout.gpu_memory_utilization")),
     "sync_weights": ("weight sync (Megatron shards gathered into HF buckets for the rollout engine)",
                      ("actor_rollout_ref.rollout.weight_sync_bucket_mb (one bucket's size on the device)",
                       "actor_rollout_ref.rollout.gpu_memory_utilization")),
@@ -89,8 +90,9 @@ class DeviceOutOfMemory(RuntimeError):
         where = f"rank {rank}" if rank is not None else "this process"
         knob_lines = "".join(f"\n  - {knob}" for knob in knobs) or "\n  - (none known for this phase)"
         lines = str(error).strip().splitlines()
+        raised = lines[0][:300] if lines else type(error).__name__
         message = (f"out of device memory in {description} [{phase}] on {where}{': ' + numbers if numbers else ''}."
-                   f" To make this phase smaller:{knob_lines}\n(as raised: {lines[0][:300] if lines else type(error).__name__})")
+                   f" To make this phase smaller:{knob_lines}\n(as raised: {raised})")
         return cls(message, phase=phase, rank=rank, requested_bytes=requested, free_bytes=free, total_bytes=total,
                    knobs=knobs)
 

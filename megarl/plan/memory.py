@@ -44,7 +44,8 @@ Logits (last stage, one micro-batch of b rows, N = b * response tokens, V' = pad
   12*N*V'. The same holds with or without grad at TP > 1, so log-prob (no grad) passes count one layer's
   activations plus this; at TP = 1 a no-grad pass holds one fp32 chunk of 2**28 logits instead of the three
   buffers (megarl's chunked path). The worker brings the whole actor back (params, grads, optimizer) before its
-  log-prob pass, so that phase counts all of it. An engine that builds explicit [b, 1, s, s] boolean masks keeps M of them on the GPU.
+  log-prob pass, so that phase counts all of it. An engine that builds explicit [b, 1, s, s] boolean masks keeps M
+  of them on the GPU.
 
 Rollout engine (vLLM-style): weights (params / rollout_tp at rollout_weight_bytes) + KV cache; GQA KV per token
 = 2 * layers * kv_heads_per_rank * head_dim * bytes, MLA per token = layers * (kv_lora_rank + rope_dim) * bytes
