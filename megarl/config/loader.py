@@ -104,6 +104,43 @@ def _unknown_key_error(cls, name: str, key: str) -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{hint}; valid keys here: {', '.join(known)}")
 
 
+def unknown_keys(cls, values: dict, prefix: str = "") -> list[str]:
+    """Every key of ``values`` (nested mappings walked) that ``cls``'s schema does not have, with what to do
+    about it: verl's reason and megarl's way for a verl key (:mod:`megarl.config.verl_keys`), else the closest
+    known key."""
+    from megarl.config.verl_keys import explain
+
+    types_by_name = _field_types(cls)
+    found = []
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in types_by_name:
+            explained = [(leaf, explain(leaf)) for leaf in _leaf_keys(value, key)]
+            if all(reason is not None for _, reason in explained):
+                found += [f"{leaf!r} is a verl key that megarl does not take: {reason}" for leaf, reason in explained]
+            else:
+                found.append(str(_unknown_key_error(cls, str(name), key)))
+            continue
+        inner, _ = _strip_optional(types_by_name[name])
+        if dataclasses.is_dataclass(inner) and isinstance(value, dict):
+            found += unknown_keys(inner, value, key)
+    return found
+
+
+def _leaf_keys(value: Any, key: str) -> list[str]:
+    if isinstance(value, dict) and value:
+        return [leaf for name, inner in value.items() for leaf in _leaf_keys(inner, f"{key}.{name}")]
+    return [key]
+
+
+def _check_known(values: dict, where: str = "") -> None:
+    problems = unknown_keys(MegarlConfig, values)
+    if len(problems) == 1:
+        raise ConfigError(f"{problems[0]} ({where.strip()})" if where else problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} config keys refused{where}:\n  - " + "\n  - ".join(problems))
+
+
 def _build(cls, values: dict, prefix: str):
     types_by_name = _field_types(cls)
     kwargs = {}
@@ -195,11 +232,15 @@ def read_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
     tree = to_dict(MegarlConfig())
     if path is not None:
         file_values = load_yaml_mapping(path)
-        _build(MegarlConfig, file_values, "")  # report unknown keys/types against the file's own text
+        _check_known(file_values, f" in {path}")  # every unknown key at once, against the file's own text
+        _build(MegarlConfig, file_values, "")  # types, against the file's own text
         tree = _merge(tree, file_values)
+    given: dict = {}
     for text in overrides:
         parts, value = parse_override(text)
-        tree = _merge(tree, _nest(parts, value))
+        given = _merge(given, _nest(parts, value))
+    _check_known(given, " on the command line")
+    tree = _merge(tree, given)
     return _build(MegarlConfig, _resolve_interpolations(tree), "")
 
 
