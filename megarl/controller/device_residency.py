@@ -33,11 +33,11 @@ class OffloadPolicy:
 
 
 class DeviceResidency:
-    def __init__(self, *, actor, reference=None, rollout=None, offload: OffloadPolicy = OffloadPolicy(),
-                 rollout_sleeps: bool = True):
-        self.actor, self.reference, self.rollout = actor, reference, rollout
+    def __init__(self, *, actor, reference=None, offload: OffloadPolicy = OffloadPolicy()):
+        """Without a rollout engine (separate placement) until :meth:`attach_rollout`."""
+        self.actor, self.reference, self.rollout = actor, reference, None
         self.offload = offload
-        self.rollout_sleeps = rollout_sleeps and rollout is not None and rollout.supports_sleep
+        self.rollout_sleeps = False
         self._actor_offloaded = None  # OffloadState while generation owns the device
         self._reference_offloaded = None
         self._rollout_asleep = False

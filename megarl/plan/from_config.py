@@ -58,13 +58,12 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
     )
     max_seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     micro_batch_size = arr.actor.ppo_micro_batch_size_per_gpu
-    if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
-        # a token budget holds this many longest-possible rows' worth of activations
-        micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
     global_batch_size = arr.actor.ppo_mini_batch_size * arr.rollout.n
     if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
-        # budgets make as many micro-batches as the tokens need: round the rows up to whole budgets for the
-        # planner's arithmetic (it counts micro-batches in flight, which pipeline stages hold)
+        # a token budget holds this many longest-possible rows' worth of activations, and budgets make as many
+        # micro-batches as the tokens need: the rows are rounded up to whole budgets for the planner's arithmetic
+        # (it counts micro-batches in flight, which pipeline stages hold)
+        micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
         per_step = micro_batch_size * layout.dp
         global_batch_size = -(-global_batch_size // per_step) * per_step
     training = TrainingSpec(

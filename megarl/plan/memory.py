@@ -13,7 +13,8 @@ Training state (Megatron DDP with fp32 grad buffers, Adam):
   host share plus what the rollout phase parks there (params, the GPU optimizer share; grads are dropped), per
   GPU of the node; checked when ``host_memory_gib`` is given.
   Measured for this case: the 7B run on one H100 (docs/benchmarks.md, "7B on one GPU"): rollout, log-prob and
-  update phases within 0.2-2.7% (tests/unit/plan/test_offloaded_optimizer_plan.py). Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
+  update phases within 0.2-2.7% (tests/unit/plan/test_offloaded_optimizer_plan.py).
+  Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
   (ep*etp); the embedding on the first stage and the output head on the last (a tied embedding gets a copy
   there when pp > 1), vocab padded to a multiple of 128*tp as Megatron does.
 
@@ -57,7 +58,8 @@ A fixed framework_overhead_gib (CUDA context, NCCL buffers, allocator cache and 
 ``nvidia-smi`` sees beyond ``torch.cuda.max_memory_allocated``) is added to every phase; use 0 to compare with
 the allocator's own peak. ``KernelSpec`` says which kernels run (flash vs materialized attention, fused vs
 torch-composite SwiGLU/RMSNorm); ``KernelSpec.megatron_local`` is megarl's local-spec engine as it runs today.
-Leaves out: host memory beyond the optimizer and the parked state (the processes themselves), dynamic batching, activation offload, FP8 training, pipeline bubbles in time, the
+Leaves out: host memory beyond the optimizer and the parked state (the processes themselves), dynamic batching,
+activation offload, FP8 training, pipeline bubbles in time, the
 optimizer step's own transients (torch's foreach Adam allocates one fp32 copy of the parameters, below the
 activation peak whenever activations exceed 4 B/param).
 """
@@ -441,9 +443,9 @@ def plan_layout(
         # megatron's HybridDeviceOptimizer keeps fp32 masters + m + v and an fp32 copy of the grads of each of its
         # parameters: on the host (pinned) for its host share, on the device for the rest (the copy is its
         # parameters' .grad, alive from one step to the next)
-        hybrid_grads = GRAD_BYTES if layout.optimizer_cpu_offload else 0
-        optimizer = (optimizer_bytes_per_param(pb) + hybrid_grads) * shard_params * (1 - host_share)
-        host_optimizer = (optimizer_bytes_per_param(pb) + GRAD_BYTES) * shard_params * host_share
+        per_param = optimizer_bytes_per_param(pb) + (GRAD_BYTES if layout.optimizer_cpu_offload else 0)
+        optimizer = per_param * shard_params * (1 - host_share)
+        host_optimizer = per_param * shard_params * host_share
         dtype = "bf16" if pb == 2 else "fp32"
         optimizer_name = "optimizer (fp32 master+m+v)" if pb < 4 else "optimizer (fp32 Adam m+v)"
         if layout.optimizer_cpu_offload:

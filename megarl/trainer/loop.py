@@ -14,7 +14,6 @@ reward model groups.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -38,6 +37,7 @@ from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import mean_by_source, place_scores_on_last_token
 from megarl.trainer.checkpoint import CheckpointManager
 from megarl.trainer.metrics import MetricsLogger, timed
+from megarl.trainer.resume_guard import read_trainer_state, resume_point
 from megarl.trainer.rollout_assembly import assemble_rollout_batch, conversation_fields, unpadded_prompts
 from megarl.trainer.rollout_producer import RolloutProducer
 from megarl.trainer.scoring import SampleScorer
@@ -428,17 +428,10 @@ class RLTrainer:
             self.producer.resume()
 
     def _maybe_resume(self) -> None:
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
+        root = resume_point(self.cfg, self.checkpoints)
+        if root is None:
             return
-        if mode == "auto":
-            step = self.checkpoints.latest_step()
-            if step is None:
-                return
-            root = self.checkpoints.step_dir(step)
-        else:
-            root = Path(mode)
-        state = _read_state(root)
+        state = read_trainer_state(root)
         self.actor.load(str(root / "actor"))
         if self.critic is not None:
             self.critic.load(str(root / "critic"))
@@ -490,13 +483,6 @@ def iter_in_order(dataset, batch_size: int, pad_token_id: int):
     for start in range(0, len(dataset), batch_size):
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         yield collate_prompts(items, pad_token_id=pad_token_id)
-
-
-def _read_state(root: Path) -> dict:
-    path = root / "trainer_state.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"trainer.resume_mode={root}: {path} not found (not a finished checkpoint)")
-    return json.loads(path.read_text())
 
 
 def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict[str, float]:

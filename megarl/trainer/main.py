@@ -10,7 +10,6 @@ runs :class:`megarl.trainer.loop.RLTrainer`. ``run(cfg)`` is the programmatic fo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -22,7 +21,7 @@ from megarl.config.paths import with_absolute_paths
 from megarl.engines.megatron.expected_warnings import explanation, hide_expected_warnings
 from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer
-from megarl.trainer.memory_check import check_memory_plan
+from megarl.trainer.memory_check import check_memory_plan, plan_run, plannable, this_gpu_gib
 from megarl.trainer.resume_guard import check_resume, resume_point, save_run_config
 from megarl.trainer.scoring import SampleScorer
 from megarl.trainer.run_lock import RunLock
@@ -122,14 +121,13 @@ def run(cfg: MegarlConfig) -> list[dict]:
     try:
         checkpoints = CheckpointManager(out_dir / "checkpoints", max_to_keep=t.max_ckpt_to_keep)
         resume_from = resume_point(cfg, checkpoints)
-        check_resume(cfg, resume_from, total_steps,
-                     json.loads((resume_from / "trainer_state.json").read_text()) if resume_from is not None
-                     and (resume_from / "trainer_state.json").is_file() else None)
+        check_resume(cfg, resume_from, total_steps)
         check_memory_plan(cfg)  # a run that cannot fit is refused here, not in step 1
         save_run_config(cfg, out_dir)
         print(start_up_summary(cfg, out_dir, resume_from, total_steps), flush=True)
-        if explanation() is not None:
-            print(f"  note:        {explanation()}", flush=True)
+        note = explanation()
+        if note is not None:
+            print(f"  note:        {note}", flush=True)
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
         if tools is not None:  # every response a conversation with the tools (validation's too)
@@ -164,19 +162,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def validate_only(cfg: MegarlConfig) -> int:
-    """What ``--validate-only`` prints: the config is valid (it loaded), and where it can be planned, the plan."""
-    from megarl.plan.from_config import specs_from_run_config
-    from megarl.plan.memory import plan_layout
-
+    """What ``--validate-only`` prints: the config is valid (it loaded), and where it can be planned, the plan
+    (for this machine's GPU, or an 80 GiB one)."""
     t = cfg.trainer
     print(f"config valid: {t.project_name}/{t.experiment_name}, outputs in {t.default_local_dir}")
-    if not (Path(cfg.actor_rollout_ref.model.path) / "config.json").is_file():
+    if not plannable(cfg):
         print(f"not planned: actor_rollout_ref.model.path={cfg.actor_rollout_ref.model.path} has no HF config.json")
         return 0
-    import torch
-
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0
-    report = plan_layout(*specs_from_run_config(cfg), gpu_gib, gpus_per_node=t.n_gpus_per_node)
+    report = plan_run(cfg, gpu_memory_gib=this_gpu_gib() or 80.0)
     print(report.table())
     return 0 if report.fits else 1
 

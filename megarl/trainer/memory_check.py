@@ -19,27 +19,41 @@ from megarl.config.schema import MegarlConfig
 GIB = 1024**3
 
 
-def memory_plan_errors(cfg: MegarlConfig, *, gpu_memory_gib: float, host_memory_gib: Optional[float]) -> list[str]:
-    """The plan's errors for ``cfg`` on GPUs of ``gpu_memory_gib`` and hosts of ``host_memory_gib``."""
+def plannable(cfg: MegarlConfig) -> bool:
+    """Whether the model path holds the HF config.json the planner reads."""
+    return (Path(cfg.actor_rollout_ref.model.path) / "config.json").is_file()
+
+
+def plan_run(cfg: MegarlConfig, *, gpu_memory_gib: float, host_memory_gib: Optional[float] = None):
+    """The memory plan (:class:`megarl.plan.memory.PlanReport`) of ``cfg`` on GPUs of ``gpu_memory_gib`` and
+    nodes of ``host_memory_gib`` (None: host memory not checked)."""
     from megarl.plan.from_config import specs_from_run_config
     from megarl.plan.memory import plan_layout
 
     hf_config, layout, training = specs_from_run_config(cfg)
-    report = plan_layout(hf_config, layout, training, gpu_memory_gib, host_memory_gib=host_memory_gib,
-                         gpus_per_node=cfg.trainer.n_gpus_per_node)
-    return report.errors
+    return plan_layout(hf_config, layout, training, gpu_memory_gib, host_memory_gib=host_memory_gib,
+                       gpus_per_node=cfg.trainer.n_gpus_per_node)
+
+
+def memory_plan_errors(cfg: MegarlConfig, *, gpu_memory_gib: float, host_memory_gib: Optional[float]) -> list[str]:
+    """The plan's errors for ``cfg`` on GPUs of ``gpu_memory_gib`` and hosts of ``host_memory_gib``."""
+    return plan_run(cfg, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib).errors
+
+
+def this_gpu_gib() -> Optional[float]:
+    """Memory of this process's first visible GPU; None without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
 
 
 def check_memory_plan(cfg: MegarlConfig) -> None:
     t = cfg.trainer
     if not t.check_memory_plan or t.device == "cpu" or t.ray_address:  # no GPU, or the cluster's are not here
         return
-    import torch
-
-    model_dir = Path(cfg.actor_rollout_ref.model.path)
-    if not torch.cuda.is_available() or not (model_dir / "config.json").is_file():
+    gpu_gib = this_gpu_gib()
+    if gpu_gib is None or not plannable(cfg):
         return
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     errors = memory_plan_errors(cfg, gpu_memory_gib=gpu_gib, host_memory_gib=host_gib)
     if errors:

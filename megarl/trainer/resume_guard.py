@@ -16,13 +16,12 @@ nothing and exit 0. Raising the total extends it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from megarl.config.errors import ConfigError
-from megarl.config.loader import to_dict
+from megarl.config.loader import save_config, to_dict
 from megarl.config.schema import MegarlConfig
 
 # The keys (and key prefixes, ending in ".") that make a run the same run.
@@ -74,10 +73,19 @@ def resume_point(cfg: MegarlConfig, checkpoints) -> Optional[Path]:
     return Path(mode)
 
 
-def check_resume(cfg: MegarlConfig, root: Optional[Path], total_steps: int, trainer_state: Optional[dict]) -> None:
-    """Refuse a resume into another run, or into a finished one (see the module docstring)."""
-    if root is None or trainer_state is None:
+def read_trainer_state(root: Path) -> dict:
+    """The trainer's state in the checkpoint directory ``root`` (what the loop resumes, and what wrote it)."""
+    path = root / "trainer_state.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"trainer.resume_mode={root}: {path} not found (not a finished checkpoint)")
+    return json.loads(path.read_text())
+
+
+def check_resume(cfg: MegarlConfig, root: Optional[Path], total_steps: int) -> None:
+    """Refuse a resume from ``root`` into another run, or into a finished one (see the module docstring)."""
+    if root is None:
         return
+    trainer_state = read_trainer_state(root)
     step = trainer_state["step"]
     previous = trainer_state.get("config")
     if previous is None:
@@ -110,5 +118,5 @@ def save_run_config(cfg: MegarlConfig, out_dir: Path) -> Path:
                          if p.stem.split(".")[-1].isdigit()), default=0)
         path.replace(history / f"config.{index}.yaml")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    save_config(cfg, path)
     return path

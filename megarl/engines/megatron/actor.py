@@ -154,5 +154,4 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         result = average_metrics(steps)
         # the tokens the loss counted over the whole batch (all DP ranks) in one epoch: what the loss mask let in
         result["loss_tokens"] = float(sum(step["loss_tokens"] for step in steps[:num_mini]))
-        result["optimizer_step_s"] = sum(step["optimizer_step_s"] for step in steps)  # all of this update's steps
         return result

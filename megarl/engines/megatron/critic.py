@@ -127,6 +127,4 @@ class CriticEngine(MegatronEngine):
                 metrics.update(self.optimizer_step())
                 steps.append(metrics)
         self.advance_lr_schedule()
-        result = average_metrics(steps)
-        result["optimizer_step_s"] = sum(step["optimizer_step_s"] for step in steps)  # all of this update's steps
-        return result
+        return average_metrics(steps)

@@ -489,9 +489,10 @@ class MegatronEngine:
 
 
 def average_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The steps' metrics averaged, but wall times (``*_s``, e.g. ``optimizer_step_s``) summed: the update's."""
     if not steps:
         return {}
-    return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    return {k: sum(s[k] for s in steps) / (1 if k.endswith("_s") else len(steps)) for k in steps[0]}
 
 
 def check_mini_batches(rows: int, mini_batch_size: int, micro_batch_size: Optional[int]) -> int:
