@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|lora
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
 # (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host)
+# (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
 #  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
 # (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
@@ -95,6 +96,23 @@ elif [ "$MODE" = big ]; then  # GRPO at $MODELS (default 7b) on one GPU, random 
       $O.optim.override_optimizer_config.optimizer_offload_fraction=$FRACTION \
       $O.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d=true \
       $O.optim.override_optimizer_config.use_precision_aware_optimizer=true ${EXTRA:-}
+  done
+elif [ "$MODE" = lora ]; then  # LoRA GRPO at $MODELS (default: 14b on an 80 GB card, 32b on a 141 GB one), random init
+  # The frozen bf16 base leaves the device while vLLM generates (param_offload); the adapters and their Adam
+  # state are megabytes. MERGE=true: vLLM gets the merged weights each sync; false: it serves the adapter.
+  GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+  if [ "$GIB" -lt 100 ]; then DEFAULT_MODELS=14b; UTIL=${UTIL:-0.55}; else DEFAULT_MODELS=32b; UTIL=${UTIL:-0.6}; fi
+  M=actor_rollout_ref.model
+  O=actor_rollout_ref.actor
+  [ "${SKIP_TESTS:-0}" = 1 ] || step lora_cuda_test timeout 400 python3 -m pytest tests/gpu/test_lora_cuda.py -q -s -p no:cacheprovider
+  for model in $(echo "${MODELS:-$DEFAULT_MODELS}" | tr , ' '); do
+    step "e2e_lora_${model}_merge_${MERGE:-true}" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" \
+      --random-init --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" \
+      --response-len "${RESPONSE_LEN:-512}" --steps "${STEPS:-3}" --token-budget "${BUDGET:-8192}" \
+      --gpu-memory-utilization "$UTIL" --out "$OUT/e2e_lora_${model}_merge_${MERGE:-true}.json" \
+      $M.lora.rank=${RANK:-32} $M.lora.alpha=${ALPHA:-64} $M.lora.merge=${MERGE:-true} \
+      $O.megatron.param_offload=true $O.megatron.recompute_granularity=full \
+      $O.megatron.use_distributed_optimizer=true ${EXTRA:-}
   done
 elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"

@@ -1,6 +1,6 @@
 """Qwen2-shaped benchmark models (HF config dicts) and the FLOP count used for MFU.
 
-``qwen2_config(name)`` gives the HF config dict of a Qwen2.5-shaped model ("0.5b", "1.5b", "7b", or "tiny"
+``qwen2_config(name)`` gives the HF config dict of a Qwen2.5-shaped model ("0.5b", "1.5b", "7b", "14b", "32b", or "tiny"
 for CPU dry runs) with random weights implied: nothing is downloaded. ``matmul_params`` counts the
 parameters that take part in a matrix product per token (every linear layer plus the output projection,
 which is a matmul even when tied to the embedding; the embedding lookup is not). ``train_flops_per_token``
@@ -38,6 +38,10 @@ _SHAPES = {
                  num_key_value_heads=2),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, bos_token_id=1,
                  eos_token_id=2),

@@ -37,6 +37,8 @@ def with_absolute_paths(cfg: MegarlConfig, base: str | Path) -> MegarlConfig:
     model.path = _absolute(model.path, base)
     model.tokenizer_path = _absolute(model.tokenizer_path, base)
     cfg.critic.model_path = _absolute(cfg.critic.model_path, base)
+    model.lora.adapter_path = _absolute(model.lora.adapter_path, base)
+    model.lora_adapter_path = _absolute(model.lora_adapter_path, base)
     actor_megatron = cfg.actor_rollout_ref.actor.megatron
     actor_megatron.dist_checkpointing_path = _absolute(actor_megatron.dist_checkpointing_path, base)
     custom = cfg.reward_model.custom_function

@@ -30,12 +30,38 @@ class DataConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """verl's Megatron LoRA block (``actor_rollout_ref.model.lora``, ``critic.model.lora``): adapters on the
+    named linears, the base frozen (:mod:`megarl.models.lora`)."""
+
+    rank: int = 0  # 0: no LoRA
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0
+    # megatron linears (linear_qkv, linear_proj, linear_fc1, linear_fc2), their HF names, or all-linear
+    target_modules: Any = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    exclude_modules: list[str] = field(default_factory=list)  # names or globs (decoder.layers.0.*)
+    # true: the rollout engine gets the merged weights through the ordinary weight sync; false: it serves the
+    # adapter (only the adapter's tensors move); null: megarl picks by model size (the choice is logged)
+    merge: Optional[bool] = None
+    adapter_path: Optional[str] = None  # start from a PEFT adapter directory
+    type: str = "lora"  # lora (megarl has no dora / canonical_lora)
+
+
+@dataclass
 class ModelConfig:
     path: str = "embedded:tiny-qwen2"  # HF model dir, or embedded:<name>
     tokenizer_path: Optional[str] = None  # defaults to path
     layer_spec: str = "auto"  # auto | local | te
     # Pack each micro-batch's real tokens into one stream (megatron thd) instead of padding rows to P + R.
     use_sequence_packing: bool = False
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # verl's shorthand (its FSDP backend's keys), the same adapters as lora.{rank, alpha, target_modules,
+    # exclude_modules, adapter_path}; set one spelling or the other
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: Any = "all-linear"
+    exclude_modules: Optional[list[str]] = None
+    lora_adapter_path: Optional[str] = None
 
 
 @dataclass
@@ -179,9 +205,15 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters on the value model's trunk (its head trains)
+
+
+@dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # None: on exactly when the advantage estimator needs values (gae)
     model_path: Optional[str] = None  # defaults to the actor's model
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
     ppo_mini_batch_size: int = 16
     ppo_micro_batch_size_per_gpu: int = 8
     use_sequence_packing: Optional[bool] = None  # defaults to actor_rollout_ref.model.use_sequence_packing

@@ -11,6 +11,7 @@ filled before, by :mod:`megarl.config.defaults`. Leaves out the names that pick 
 from __future__ import annotations
 
 from megarl.config.errors import ConfigError
+from megarl.config.lora import block_lora, model_lora
 from megarl.config.schema import MegarlConfig, MegatronConfig
 
 
@@ -327,6 +328,12 @@ def check_config(cfg: MegarlConfig) -> None:
                 f"{t.rollout_gpus} must be a multiple of trainer.n_gpus_per_node={t.n_gpus_per_node}"
             )
     _check_token_budgets(cfg)
+    lora = model_lora(arr.model)
+    if lora is not None and lora.merge is False and t.placement != "colocate":
+        raise ConfigError("actor_rollout_ref.model.lora.merge=false (the rollout engine serves the adapter) needs "
+                          "trainer.placement=colocate; separate rollout workers get merged weights (merge: true)")
+    if cfg.critic.enable:
+        block_lora(cfg.critic.model.lora, "critic.model.lora")
     n_train = training_world_size(cfg)
     dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train, arr.model.layer_spec)
     _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,

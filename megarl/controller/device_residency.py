@@ -41,12 +41,15 @@ class DeviceResidency:
         self._actor_offloaded = None  # OffloadState while generation owns the device
         self._reference_offloaded = None
         self._rollout_asleep = False
+        self.rollout_keeps_weights = False
 
-    def attach_rollout(self, rollout, *, rollout_sleeps: bool = True) -> None:
+    def attach_rollout(self, rollout, *, rollout_sleeps: bool = True, keeps_weights: bool = False) -> None:
         """The rollout engine, started after :meth:`make_room_for_rollout`; until the first phase call the
-        device stays as generation wants it."""
+        device stays as generation wants it. ``keeps_weights``: a weight sync does not bring the whole model
+        (a served LoRA adapter), so sleeping never drops the engine's weights."""
         self.rollout = rollout
         self.rollout_sleeps = rollout_sleeps and rollout.supports_sleep
+        self.rollout_keeps_weights = keeps_weights
 
     def for_generation(self) -> None:
         if self.rollout is None:  # generation runs elsewhere (separate placement): nothing here makes room for it
@@ -71,7 +74,7 @@ class DeviceResidency:
         """``weight_sync_follows``: the rollout weights will be overwritten before the next generation (the
         step's update phases), so the engine may drop them instead of saving them to host memory."""
         if self.rollout_sleeps and not self._rollout_asleep:
-            self.rollout.sleep(discard_weights=weight_sync_follows)
+            self.rollout.sleep(discard_weights=weight_sync_follows and not self.rollout_keeps_weights)
             self._rollout_asleep = True
         self._reload_actor()
         if self._reference_offloaded is not None:

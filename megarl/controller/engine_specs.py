@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from megarl.algorithms.policy_loss import POLICY_LOSS_ALIASES
-from megarl.config.schema import ActorConfig, MegarlConfig, MegatronConfig, OptimConfig
+from megarl.config.lora import resolve_targets
+from megarl.config.schema import ActorConfig, LoRAConfig, MegarlConfig, MegatronConfig, OptimConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -22,6 +23,32 @@ def megatron_optimizer_config(optim: OptimConfig, m: MegatronConfig):
                use_distributed_optimizer=m.use_distributed_optimizer),
         **optim.override_optimizer_config,  # megatron's own options, as verl passes them (checked at load)
     })
+
+
+def lora_spec(lora: LoRAConfig | None, *, seed: int):
+    """The adapters a role's engine attaches (None: full-parameter training)."""
+    if lora is None:
+        return None
+    from megarl.models.lora import LoRASpec
+
+    return LoRASpec(rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=resolve_targets(lora.target_modules),
+                    exclude=tuple(lora.exclude_modules), init_seed=seed)
+
+
+def lora_serving(lora: LoRAConfig, separate_rollout: bool) -> bool:
+    """Whether the rollout engine gets the adapters merged into full weights (True) or serves the adapter itself
+    (False: only the adapter's tensors move per sync). ``lora.merge`` decides when set; unset: merged (see
+    docs/benchmarks.md, "LoRA RL", for what was measured). The choice is logged."""
+    import logging
+
+    merged = True if lora.merge is None else bool(lora.merge)
+    if separate_rollout and not merged:
+        raise ValueError("lora.merge=false (the rollout engine serves the adapter) needs trainer.placement=colocate")
+    logging.getLogger(__name__).warning(
+        "LoRA rank %d: the rollout engine %s (%s)", lora.rank,
+        "gets the merged weights each sync" if merged else "serves the adapter (only it moves per sync)",
+        "lora.merge" if lora.merge is not None else "lora.merge unset: merged by default")
+    return merged
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int):

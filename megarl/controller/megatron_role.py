@@ -17,7 +17,7 @@ from megarl.models.parallel_layout import ParallelLayout
 class MegatronRole:
     """Distributed + megatron bring-up shared by the worker classes."""
 
-    def _bring_up(self, cfg: MegarlConfig, megatron: MegatronConfig, model_path: str) -> None:
+    def _bring_up(self, cfg: MegarlConfig, megatron: MegatronConfig, model_path: str, *, lora: bool = False) -> None:
         from megarl.models.bridge import ModelBridge
         from megarl.models.embedded import resolve_model_path
 
@@ -27,8 +27,10 @@ class MegatronRole:
         self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
         self.model_path = str(resolve_model_path(model_path))
         spec = cfg.actor_rollout_ref.model.layer_spec
-        if megatron.context_parallel_size > 1 and spec == "auto":
-            spec = "local"  # context parallelism is megarl's SDPA attention, not Transformer Engine's
+        if (megatron.context_parallel_size > 1 or lora) and spec == "auto":
+            # context parallelism is megarl's SDPA attention, not Transformer Engine's; LoRA adapts megatron's
+            # own parallel linears (TE fuses the layernorm into the linear the adapter would read)
+            spec = "local"
         self.bridge = ModelBridge.from_hf_config(self.model_path, spec=spec)
         self.params_dtype = DTYPES[megatron.params_dtype]
         self.megatron = megatron

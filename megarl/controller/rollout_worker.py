@@ -26,12 +26,13 @@ def check_rollout_tensor_parallel(cfg: MegarlConfig, *, colocated: bool) -> None
 
 
 def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int, colocated: bool,
-                             device: str, local_device_index: Optional[int]):
+                             device: str, local_device_index: Optional[int], adapter_rank: Optional[int] = None):
     """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
     replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
     :func:`check_rollout_tensor_parallel`. vLLM runs in this process (its engine core too), so weight
     buckets reach it as device tensors; colocated on a GPU it is built with sleep mode, to hand the
-    device to training between rollouts (``rollout.free_cache_engine``)."""
+    device to training between rollouts (``rollout.free_cache_engine``). ``adapter_rank``: the engine serves a
+    LoRA adapter of that rank (vLLM's LoRA; the HF engine needs nothing to serve one)."""
     from megarl.engines.rollout.factory import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
@@ -46,6 +47,8 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
                              enable_sleep_mode=colocated and device == "cuda" and rollout.free_cache_engine)
         if rollout.kv_cache_memory_mb:
             engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
+        if adapter_rank:
+            engine_kwargs["lora_rank"] = adapter_rank
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
 
 

@@ -28,8 +28,9 @@ from megarl.batch import TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.device_residency import DeviceResidency, OffloadPolicy
 from megarl.controller.dispatch import Collect, Dispatch, register
+from megarl.config.lora import block_lora, model_lora
 from megarl.controller.engine_specs import (DTYPES, actor_update_arguments, critic_update_arguments, ddp_config,
-                                            lr_schedule, megatron_optimizer_config)
+                                            lora_serving, lora_spec, lr_schedule, megatron_optimizer_config)
 from megarl.controller.fault_injection import kill_point
 from megarl.controller.megatron_role import MegatronRole
 from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTransport, open_weight_group
@@ -53,8 +54,10 @@ class ActorRolloutRefWorker(MegatronRole):
         from megarl.engines.megatron.actor import ActorEngine, ReferenceEngine
 
         arr = cfg.actor_rollout_ref
-        self._bring_up(cfg, arr.actor.megatron, arr.model.path)
+        lora = model_lora(arr.model)
+        self._bring_up(cfg, arr.actor.megatron, arr.model.path, lora=lora is not None)
         actor_config = self._new_transformer_config()
+        self.lora = lora_spec(lora, seed=arr.actor.megatron.seed)
         self.actor = ActorEngine(
             model_provider=self._provider(actor_config), config=actor_config,
             optimizer_config=megatron_optimizer_config(arr.actor.optim, arr.actor.megatron),
@@ -62,12 +65,20 @@ class ActorRolloutRefWorker(MegatronRole):
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu, temperature=arr.rollout.temperature or 1.0,
             vocab_size=self.bridge.dims.vocab_size,
             micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.actor.ppo_max_token_len_per_gpu),
+            lora=self.lora,
         )
         if arr.actor.load_weight:
             self._load_hf(self.actor)
+        if lora is not None and lora.adapter_path:
+            self._load_adapter(self.actor, lora.adapter_path)
         self.update_arguments = actor_update_arguments(cfg, self.rank_info.dp_size)
         self.reference = None
-        if with_reference:
+        # LoRA: the reference policy is the actor's base, its adapters switched off (no second model)
+        self.reference_is_base = with_reference and self.lora is not None
+        # LoRA served by the rollout engine (only the adapters move per sync) or merged into a full sync
+        self.serve_adapter = self.lora is not None and not lora_serving(lora, separate_rollout)
+        self._rollout_has_base = False
+        if with_reference and not self.reference_is_base:
             ref_config = self._new_transformer_config()
             self.reference = ReferenceEngine(
                 model_provider=self._provider(ref_config), config=ref_config,
@@ -96,8 +107,11 @@ class ActorRolloutRefWorker(MegatronRole):
             self.residency.make_room_for_rollout()  # the engine sizes its share from the memory free at its start
             self.rollout = build_rollout_engine_for(
                 cfg, self.model_path, seed_offset=self.rollout_replica.index, colocated=True,
-                device=self.context.device, local_device_index=self.context.local_device_index)
-            self.residency.attach_rollout(self.rollout, rollout_sleeps=arr.rollout.free_cache_engine)
+                device=self.context.device, local_device_index=self.context.local_device_index,
+                adapter_rank=self.lora.rank if self.serve_adapter else None)
+            # an engine serving an adapter keeps its base weights while asleep: a sync brings only the adapter
+            self.residency.attach_rollout(self.rollout, rollout_sleeps=arr.rollout.free_cache_engine,
+                                          keeps_weights=self.serve_adapter)
             self.sync_weights()  # the rollout replica starts from exactly the trainer's weights
 
     # ---------------------------------------------------------------- rollout
@@ -154,10 +168,32 @@ class ActorRolloutRefWorker(MegatronRole):
                 transport = ObjectStoreTransport(self.rollout_peers, timeout_s)
         else:  # the other ranks take part in the gather collectives only
             transport = DiscardTransport()
+        if self.serve_adapter:
+            return self._sync_adapter(transport)
         with self.memory_peaks.track("weight_sync"):
             stats = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
                                  dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
         return {**stats.as_metrics(), **self.memory_peaks.as_metrics()}
+
+    def _sync_adapter(self, transport) -> dict:
+        """LoRA served by the rollout engine: the base once (adapters off), then only the adapter per sync."""
+        from megarl.models.lora import adapters_disabled
+        from megarl.weight_sync import sync_weights
+        from megarl.weight_sync.adapters import peft_adapter_config
+        from megarl.weight_sync.sync import sync_adapter
+
+        metrics = {}
+        with self.memory_peaks.track("weight_sync"):
+            if not self._rollout_has_base:
+                with adapters_disabled(self.actor.model):
+                    base = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
+                                        dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
+                metrics.update(base.as_metrics("weight_sync_base"))
+                self._rollout_has_base = True
+            stats = sync_adapter(self.actor.model, self.bridge, self.rollout,
+                                 lambda named: peft_adapter_config(self.lora, named), dtype=self.rollout_dtype,
+                                 num_local_experts=self._num_local_experts())
+        return {**metrics, **stats.as_metrics(), **self.memory_peaks.as_metrics()}
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
@@ -174,9 +210,15 @@ class ActorRolloutRefWorker(MegatronRole):
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
     def compute_ref_log_probs(self, batch: TrainBatch):
         self.residency.for_training(weight_sync_follows=True)
+        mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        if self.reference_is_base:
+            from megarl.models.lora import adapters_disabled
+
+            with self.memory_peaks.track("ref"), adapters_disabled(self.actor.model):
+                log_probs, _ = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+            return log_probs.cpu()
         if self.reference is None:
             raise RuntimeError("this actor worker was built without a reference model")
-        mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         with self.memory_peaks.track("ref"):
             log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
         return log_probs.cpu()
@@ -186,6 +228,13 @@ class ActorRolloutRefWorker(MegatronRole):
         self.residency.for_training(weight_sync_follows=True)
         with self.memory_peaks.track("update_actor"):
             return self.actor.update_policy(batch, **self.update_arguments)
+
+    def _load_adapter(self, engine, adapter_path: str) -> None:
+        from megarl.weight_sync.adapters import load_peft_adapter
+
+        load_peft_adapter(engine.model, self.bridge, adapter_path, engine.lora,
+                          num_local_experts=self._num_local_experts())
+        engine.optimizer.reload_model_params()  # the fp32 main params must see the adapter
 
     # ---------------------------------------------------------------- checkpoints
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
@@ -218,13 +267,29 @@ class ActorRolloutRefWorker(MegatronRole):
         return sync_weights(self.actor.model, self.bridge, writer, bucket_bytes=self.bucket_bytes,
                             dtype=self.params_dtype, num_local_experts=self._num_local_experts()).as_metrics("hf_export")
 
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def save_hf_adapter(self, out_dir: str) -> dict:
+        """The actor's LoRA adapter as a PEFT adapter directory (``adapter_config.json`` +
+        ``adapter_model.safetensors``) that peft and vLLM load; every rank gathers, rank 0 writes."""
+        from megarl.weight_sync.adapters import gather_peft_adapter, peft_adapter_config, save_peft_adapter
+
+        if self.lora is None:
+            raise RuntimeError("save_hf_adapter: the actor has no LoRA adapters (model.lora.rank is 0)")
+        self.residency.for_training(weight_sync_follows=False)
+        named = gather_peft_adapter(self.actor.model, self.bridge, num_local_experts=self._num_local_experts(),
+                                    dtype=self.params_dtype)
+        if self.rank_info.rank == 0:
+            save_peft_adapter(named, peft_adapter_config(self.lora, named, base_model=self.model_path), out_dir)
+        return {"hf_adapter/tensors": float(len(named))}
+
 
 class CriticWorker(MegatronRole):
     def __init__(self, cfg: MegarlConfig, *, total_steps: int):
         from megarl.engines.megatron.critic import CriticEngine
 
         c = cfg.critic
-        self._bring_up(cfg, c.megatron, c.model_path or cfg.actor_rollout_ref.model.path)
+        lora = block_lora(c.model.lora, "critic.model.lora")
+        self._bring_up(cfg, c.megatron, c.model_path or cfg.actor_rollout_ref.model.path, lora=lora is not None)
         config = self._new_transformer_config()
         self.critic = CriticEngine(
             model_provider=self._provider(config, tie_embeddings=False), config=config,
@@ -232,6 +297,7 @@ class CriticWorker(MegatronRole):
             lr_schedule=lr_schedule(c.optim, total_steps), ddp_config=ddp_config(c.megatron),
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
             micro_batching=MicroBatching(bool(c.use_sequence_packing), c.ppo_max_token_len_per_gpu),
+            lora=lora_spec(lora, seed=c.megatron.seed),
         )
         self._load_critic_trunk()
         self.update_arguments = critic_update_arguments(cfg, self.rank_info.dp_size)

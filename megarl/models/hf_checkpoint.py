@@ -102,8 +102,11 @@ def check_checkpoint_names(bridge, reader: HFCheckpointReader) -> None:
 
 
 def iter_loadable_tensors(model) -> Iterable[tuple[str, torch.Tensor]]:
-    """Parameters plus the router ``expert_bias`` buffers (megatron keeps those as buffers)."""
-    yield from model.named_parameters()
+    """Parameters plus the router ``expert_bias`` buffers (megatron keeps those as buffers); LoRA adapters are
+    not in an HF checkpoint."""
+    from megarl.models.lora import is_adapter_param
+
+    yield from ((name, p) for name, p in model.named_parameters() if not is_adapter_param(name))
     for name, buffer in model.named_buffers():
         if name.endswith("router.expert_bias"):
             yield name, buffer

@@ -31,6 +31,7 @@ def read_hf_config(path: str | Path) -> dict:
 
 def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
     """Translate a :class:`megarl.config.schema.MegarlConfig` into the planner's inputs."""
+    from megarl.config.lora import model_lora, resolve_targets
     from megarl.config.validate import critic_enabled, training_world_size
 
     arr = cfg.actor_rollout_ref
@@ -66,6 +67,7 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
         per_step = micro_batch_size * layout.dp
         global_batch_size = -(-global_batch_size // per_step) * per_step
+    lora = model_lora(arr.model)
     training = TrainingSpec(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
@@ -79,6 +81,8 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         rollout_sleeps=arr.rollout.free_cache_engine,
         rollout_gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
         rollout_weight_bytes=_DTYPE_BYTES.get(arr.rollout.dtype, 2),
+        lora_rank=lora.rank if lora else 0,
+        lora_targets=resolve_targets(lora.target_modules) if lora else TrainingSpec.lora_targets,
     )
     hf_config = read_hf_config(model_path)
     quantization = hf_config.get("quantization_config") or {}

@@ -70,6 +70,10 @@ class TrainingSpec:
     rollout_gpu_memory_utilization: float = 0.85  # vLLM's fraction of the GPU for weights + KV cache
     rollout_weight_bytes: int = 2  # 2: bf16 rollout weights, 1: fp8
     kv_cache_bytes: int = 2
+    # LoRA (megarl.models.lora): rank 0 is full-parameter training. With adapters the base is frozen (no grads,
+    # no optimizer state), the reference is the base with the adapters off (no second model)
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
 def split_pipeline_layers(num_layers: int, layout: LayoutSpec) -> tuple[list[int], list[str]]:

@@ -191,6 +191,15 @@ def pad_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def lora_params_per_layer(dims: ModelDims, rank: int, targets) -> int:
+    """Adapter parameters of one decoder layer: ``rank * (in + out)`` per adapted linear (dense MLP shapes; an
+    MoE layer's experts are counted as one dense MLP, so this undercounts expert adapters)."""
+    h, heads, kv, hd, ffn = dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.intermediate_size
+    shapes = {"linear_qkv": (h, (heads + 2 * kv) * hd), "linear_proj": (heads * hd, h),
+              "linear_fc1": (h, 2 * ffn), "linear_fc2": (ffn, h)}
+    return sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+
+
 def _layer_gpu_params(layer: LayerParams, layout: LayoutSpec) -> tuple[float, float]:
     """(dense, expert) parameters of ``layer`` on one GPU."""
     dense = layer.tp_sharded / layout.parallel.tensor_parallel + layer.replicated
@@ -439,6 +448,10 @@ def plan_layout(
         stage_params = dense + expert
         pb, gb = training.param_bytes, training.grad_bytes
         shard_params = dense / dense_shards + expert / expert_shards  # what this GPU's optimizer steps
+        trained = stage_params  # what has grads and optimizer state
+        if training.lora_rank:  # adapters only (replicated over TP: counted whole, an upper bound)
+            trained = n_layers * lora_params_per_layer(dims, training.lora_rank, training.lora_targets)
+            shard_params = trained / dense_shards
         host_share = layout.optimizer_offload_fraction if layout.optimizer_cpu_offload else 0.0
         # megatron's HybridDeviceOptimizer keeps fp32 masters + m + v and an fp32 copy of the grads of each of its
         # parameters: on the host (pinned) for its host share, on the device for the rest (the copy is its
@@ -451,19 +464,21 @@ def plan_layout(
         if layout.optimizer_cpu_offload:
             optimizer_name = f"optimizer on the GPU ({1 - host_share:.0%} of fp32 master+m+v+grads)"
         actor = {
-            f"actor params ({dtype})": pb * stage_params,
-            f"actor main grads ({'fp32' if gb == 4 else 'bf16'})": gb * stage_params,
+            f"actor params ({dtype})": pb * (stage_params + (trained if training.lora_rank else 0)),
+            f"actor main grads ({'fp32' if gb == 4 else 'bf16'})": gb * trained,
             f"actor {optimizer_name}": optimizer,
         }
         params_part, grads_part, optimizer_part = training.offload_parts or (training.offload_train_state,) * 3
         offloaded = dict(zip(actor, (params_part, grads_part, optimizer_part)))
-        ref = {"reference params": pb * stage_params} if training.use_reference else {}
+        # with LoRA the reference is the actor's base, its adapters off
+        ref = {"reference params": pb * stage_params} if training.use_reference and not training.lora_rank else {}
         critic = {}
         if training.use_critic:
             # Same trunk as the actor; a value head (h -> 1) replaces the output head on the last stage.
             has_head = is_last and (not dims.tie_word_embeddings or layout.parallel.pipeline_parallel > 1)
             critic_params = stage_params - (vocab_shard if has_head else 0) + (dims.hidden_size if is_last else 0)
-            critic_optimizer = optimizer * critic_params / stage_params
+            # (the critic trains every parameter: the actor's adapters say nothing of it)
+            critic_optimizer = per_param * critic_params / dense_shards * (1 - host_share)
             critic = {
                 f"critic params ({dtype})": pb * critic_params,
                 f"critic main grads ({'fp32' if gb == 4 else 'bf16'})": gb * critic_params,

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.bridge import unwrap_model
+from megarl.models.lora import is_adapter_param, iter_adapters, merged_weight
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ class _Entry:
 
 def _local_tensors(chunk: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     module = unwrap_model(chunk)
-    tensors = [(name, p) for name, p in module.named_parameters()]
+    # LoRA adapters are not HF tensors: the rollout engine gets them merged into their linears' weights
+    tensors = [(name, p) for name, p in module.named_parameters() if not is_adapter_param(name)]
     # The sigmoid router's load-balancing bias is a buffer but part of the model (DeepSeek-V3).
     tensors += [(name, b) for name, b in module.named_buffers() if name.endswith("expert_bias")]
     return tensors
@@ -151,9 +153,13 @@ def iter_hf_tensors(
         local_by_chunk = (
             [dict(_local_tensors(chunk)) for chunk in model_chunks] if stage == g.pp_rank else None
         )
+        adapted = {(index, name): module for index, name, module in iter_adapters(model_chunks)}
         for entry in entries:
             if stage == g.pp_rank:
                 local = local_by_chunk[entry.chunk][entry.local_name]
+                module_name, _, param_name = entry.local_name.rpartition(".")
+                if (entry.chunk, module_name) in adapted:  # one merged weight at a time, on this rank's shard
+                    local = merged_weight(adapted[entry.chunk, module_name], param_name, local)
                 pieces = [
                     piece
                     for global_name, full in _full_tensors(bridge, entry, local, g, num_local_experts)

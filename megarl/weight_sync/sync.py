@@ -30,3 +30,18 @@ def sync_weights(
             del bucket
     transport.finish()
     return stats.finish()
+
+
+def sync_adapter(model_chunks, bridge, engine, config_of, *, dtype: Optional[torch.dtype] = None,
+                 num_local_experts: Optional[int] = None) -> SyncStats:
+    """LoRA served by the rollout engine: only the adapters move, as one PEFT-named set
+    (:mod:`megarl.weight_sync.adapters`). Collective like :func:`sync_weights`; ``engine`` None on ranks
+    without a rollout engine. ``config_of(named)`` gives the adapter's ``adapter_config.json`` dict."""
+    from megarl.weight_sync.adapters import gather_peft_adapter
+
+    stats = SyncStats()
+    named = gather_peft_adapter(model_chunks, bridge, num_local_experts=num_local_experts, dtype=dtype)
+    stats.record(named)
+    if engine is not None:
+        engine.load_adapter(named, config_of(named))
+    return stats.finish()

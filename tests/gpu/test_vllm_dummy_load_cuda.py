@@ -21,12 +21,23 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
 
 def test_dummy_weights_are_replaced_by_the_trainers_and_score_like_them(tmp_path):
     pytest.importorskip("vllm")
+    from tests.dist_harness import run_distributed
+
+    # a process of its own: an in-process vLLM engine started earlier in this pytest process (test_vllm_cuda.py)
+    # leaves a torch.distributed world behind, which would make this engine take the external launcher
+    assert run_distributed(_world, 1, str(tmp_path), cuda=True)[0]
+
+
+def _world(rank, model_dir):
+    from pathlib import Path
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megarl.engines.rollout.base import SamplingConfig
     from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
     from megarl.weight_sync.buckets import bucketize
 
+    tmp_path = Path(model_dir)
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     torch.manual_seed(0)
     trainer_model = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).cuda().eval()
@@ -52,5 +63,6 @@ def test_dummy_weights_are_replaced_by_the_trainers_and_score_like_them(tmp_path
             assert output.token_ids[0] == int(reference.argmax())
             # bf16 weights and activations in two implementations: a few bf16 ulps of a log-prob of ~-8
             assert abs(output.log_probs[0] - float(reference.max())) < 0.1, (output.log_probs[0], float(reference.max()))
+        return True
     finally:
         engine.shutdown()

@@ -80,18 +80,29 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
+def _model_state(engine, chunk) -> dict:
+    """The chunk's sharded state; with LoRA only what trains (the adapters, a critic's head): the frozen base
+    comes back from where the run starts (the HF checkpoint or the seeded initialisation), so a 32B LoRA
+    checkpoint is megabytes, not 64 GB."""
+    state = _unwrap(chunk).sharded_state_dict()
+    if getattr(engine, "lora", None) is None:
+        return state
+    return {key: value for key, value in state.items()
+            if isinstance(getattr(value, "data", None), torch.Tensor) and value.data.requires_grad}
+
+
 def _sharded_state_dict(engine, *, is_loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state: dict = {}
     if len(engine.model) == 1:
-        state["model"] = _unwrap(engine.model[0]).sharded_state_dict()
+        state["model"] = _model_state(engine, engine.model[0])
         model_state = state["model"]
     else:
         model_state = {}
         for i, chunk in enumerate(engine.model):
-            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+            state[f"model{i}"] = _model_state(engine, chunk)
             model_state.update(state[f"model{i}"])
     if with_optimizer and engine.optimizer is not None:
         # torch_dist cannot save the flattened ranges of 'fully_sharded_model_space' (the distributed
@@ -226,7 +237,8 @@ def load_checkpoint(engine, root: str, *, step: Optional[int] = None, load_optim
         loaded = dist_checkpointing.load(request, path)
         for i, chunk in enumerate(engine.model):
             key = "model" if len(engine.model) == 1 else f"model{i}"
-            _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            # with LoRA the checkpoint holds what trains; the frozen base stays as the run started it
+            _unwrap(chunk).load_state_dict(loaded[key], strict=getattr(engine, "lora", None) is None)
         if with_optimizer:
             with torch.no_grad():  # the distributed optimizer copies into fp32 main params that are leaves
                 engine.optimizer.load_state_dict(loaded["optimizer"])

@@ -92,10 +92,13 @@ class LRScheduleConfig:
 def build_model_chunks(
     *, model_provider: ModelProvider, config, ddp_config=None, wrap_with_ddp: bool = True,
     chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None, one_dtype: Optional[torch.dtype] = None,
+    lora=None,
 ) -> list[torch.nn.Module]:
     """One model per virtual pipeline stage of this rank (megatron-LM ``get_model`` semantics).
 
-    ``chunk_hook(module, post_process)`` may edit a chunk before DDP wrapping (the critic swaps its head).
+    ``lora`` (a :class:`~megarl.models.lora.LoRASpec`): the chunk's parameters frozen and adapters attached,
+    before ``chunk_hook(module, post_process)``, which may edit a chunk before DDP wrapping (the critic swaps
+    its head, which then trains with the adapters).
     ``one_dtype``: every floating parameter in this dtype (torch's norms make fp32 weights in a bf16 model).
     """
     from megatron.core import parallel_state as mpu
@@ -109,6 +112,10 @@ def build_model_chunks(
         pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
         module = model_provider(pre, post, stage)
+        if lora is not None:
+            from megarl.models.lora import attach_lora
+
+            attach_lora(module, lora)
         if chunk_hook is not None:
             chunk_hook(module, post)
         if one_dtype is not None:
@@ -229,7 +236,8 @@ class MegatronEngine:
     """Model chunks + (optionally) optimizer and LR schedule on one rank; see the module docstring.
 
     Constructed on every rank of the world after :func:`initialize_megatron_parallel`. ``optimizer_config``
-    None means a frozen engine (no DDP, no optimizer, parameters do not require grad).
+    None means a frozen engine (no DDP, no optimizer, parameters do not require grad). ``lora``: LoRA adapters
+    (:mod:`megarl.models.lora`) on a frozen base; DDP, the optimizer and checkpoints then hold the adapters only.
     """
 
     def __init__(
@@ -245,6 +253,7 @@ class MegatronEngine:
         chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None,
         vocab_size: Optional[int] = None,
         micro_batching: MicroBatching = MicroBatching(),
+        lora=None,
     ):
         from megatron.core import parallel_state as mpu
 
@@ -256,6 +265,7 @@ class MegatronEngine:
         self.temperature = temperature
         self.vocab_size = vocab_size  # unpadded; None when the model has no vocabulary padding
         self.trainable = optimizer_config is not None
+        self.lora = lora
         self.rank_info = current_rank_info()
         if mpu.get_pipeline_model_parallel_world_size() > 1 and config.pipeline_dtype is None:
             config.pipeline_dtype = config.params_dtype
@@ -267,7 +277,7 @@ class MegatronEngine:
             self.model = build_model_chunks(
                 model_provider=model_provider, config=config, ddp_config=ddp_config,
                 wrap_with_ddp=self.trainable, chunk_hook=chunk_hook,
-                one_dtype=config.params_dtype if cpu_offload else None,
+                one_dtype=config.params_dtype if cpu_offload else None, lora=lora,
             )
         self.optimizer = None
         self.lr_scheduler = None

@@ -118,6 +118,12 @@ class RolloutEngine(abc.ABC):
     def finish_weight_update(self) -> None:
         """Close the weight-update session opened by the first `update_weights` call."""
 
+    def load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]], config: dict) -> None:
+        """Generate with this LoRA adapter on top of the base weights from now on, replacing the previous one.
+        ``named_tensors`` in PEFT's names (``base_model.model.<module>.lora_A.weight``), ``config`` the
+        adapter's ``adapter_config.json`` (``r``, ``lora_alpha``, ...)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve LoRA adapters")
+
     @property
     def supports_sleep(self) -> bool:
         """Whether `sleep()` really releases memory on this platform (callers check before colocating)."""

@@ -26,6 +26,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
+_PEFT_NAME = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
+
+
 def process_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """Turn raw next-token logits [rows, vocab] into the log-probs that are sampled from.
 
@@ -94,6 +97,7 @@ class HFRolloutEngine(RolloutEngine):
         self._update_open = False
         self._updated_names: set[str] = set()
         self._asleep = False
+        self._adapter_base: dict[str, torch.Tensor] = {}  # weight name -> the base under the served adapter
 
     # ------------------------------------------------------------------ generation
 
@@ -220,6 +224,38 @@ class HFRolloutEngine(RolloutEngine):
                                  f"{tuple(tensor.shape)}, model has {tuple(param.shape)}")
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             self._updated_names.add(name)
+            self._adapter_base.pop(name, None)  # a new base weight: a served adapter is applied to it next time
+
+    @torch.no_grad()
+    def load_adapter(self, named_tensors, config: dict) -> None:
+        """Serve a LoRA adapter: each adapted weight becomes ``base + lora_alpha / r * B @ A`` (fp32 product)
+        from the base it had before any adapter; weights the previous adapter touched and this one does not
+        go back to their base."""
+        self._check_ready("load_adapter")
+        scale = float(config["lora_alpha"]) / float(config["r"])
+        factors: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in named_tensors:
+            match = _PEFT_NAME.match(name)
+            if match is None:
+                raise KeyError(f"HFRolloutEngine.load_adapter: {name!r} is not a PEFT LoRA tensor name")
+            factors.setdefault(f"{match.group(1)}.weight", {})[match.group(2)] = tensor
+        for name, base in self._adapter_base.items():
+            if name not in factors:
+                self._weight(name).copy_(base)
+        for name, pair in factors.items():
+            if set(pair) != {"A", "B"}:
+                raise ValueError(f"HFRolloutEngine.load_adapter: {name} has lora_{''.join(pair)} only")
+            param = self._weight(name)
+            base = self._adapter_base.setdefault(name, param.detach().clone())
+            update = pair["B"].to(param.device, torch.float32) @ pair["A"].to(param.device, torch.float32)
+            param.copy_((base.float() + scale * update).to(param.dtype))
+
+    def _weight(self, name: str) -> torch.Tensor:
+        param = self._params_by_name.get(name)
+        param = self._fused_expert_slice(name) if param is None else param
+        if param is None:
+            raise KeyError(f"HFRolloutEngine: the model has no weight {name!r}")
+        return param
 
     def _fused_expert_slice(self, name: str):
         """The view of a fused expert parameter that a per-expert checkpoint tensor fills, or None.

@@ -14,6 +14,11 @@ the range ``setup.py``'s ``vllm`` extra names. What differs between them, or is 
 * layerwise reload (``vllm.model_executor.model_loader.reload``): both versions; and which models can skip it
   (:func:`loads_in_place`: the unquantized-method class names, MLA's attention class).
 
+* LoRA from tensors in memory (:func:`add_lora_from_tensors`): vLLM loads adapters from a directory; the
+  worker's LoRA manager is handed a ``LoRAModel`` built from the tensors instead (``LoRAModel`` moved from
+  ``vllm.lora.models`` to ``vllm.lora.lora_model``); ``max_lora_rank`` takes only some values
+  (:func:`lora_rank_slot`).
+
 Leaves out: vLLM's own weight-transfer engines (``weight_transfer_config``), which 0.26 has and which an
 in-process engine does not need.
 """
@@ -116,3 +121,50 @@ def layerwise_reload():
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+_LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    for slot in _LORA_RANK_SLOTS:
+        if rank <= slot:
+            return slot
+    raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {_LORA_RANK_SLOTS[-1]}")
+
+
+def add_lora_from_tensors(worker_lora_manager, lora_id: int, tensors: dict, config: dict) -> None:
+    """Make adapter ``lora_id`` of a vLLM worker the one in ``tensors`` (PEFT names; replaces it if loaded).
+    A request naming ``lora_id`` then finds it loaded and vLLM never reads its path."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    try:
+        from vllm.lora.lora_model import LoRAModel
+    except ImportError:  # vLLM < 0.27
+        from vllm.lora.models import LoRAModel
+    try:
+        from vllm.lora.worker_manager import gpu_sync_allowed
+    except ImportError:
+        gpu_sync_allowed = contextlib.nullcontext
+    # vLLM folds the scaling into lora_B in place (LoRALayerWeights.optimize) and keeps a tensor it was handed
+    # when no dtype or device conversion is needed: the caller's tensors must not be those
+    tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    peft_helper = PEFTHelper.from_dict(dict(config))
+    peft_helper.validate_legal(worker_lora_manager.lora_config)
+    manager = worker_lora_manager._adapter_manager
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    # the model's renames without its q/k/v and gate/up fusions (the LoRA manager packs those itself)
+    if mapper is not None and hasattr(mapper, "get_rename_mapper"):  # vLLM 0.32
+        mapper = mapper.get_rename_mapper()
+    elif mapper is not None and hasattr(mapper, "get_unstacked_mapper"):  # vLLM 0.26
+        mapper = mapper.get_unstacked_mapper()
+    device = next(iter(tensors.values())).device
+    with gpu_sync_allowed():
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=peft_helper, device=str(device),
+            dtype=worker_lora_manager.lora_config.lora_dtype, model_vocab_size=worker_lora_manager.vocab_size,
+            weights_mapper=mapper)
+        manager.remove_adapter(lora_id)
+        manager.add_adapter(lora)
+        manager.activate_adapter(lora_id)

@@ -24,7 +24,8 @@ sleep/wake: `LLM.sleep(level=1|2)` / `LLM.wake_up(tags=...)` on platforms with a
 Version-dependent pieces live in `vllm_compat.py`.
 
 Construct an out-of-process engine only under `if __name__ == "__main__":` in scripts: vLLM starts its
-engine core in a child process. Leaves out: async engine, prompt log-probs, LoRA.
+engine core in a child process. LoRA: one adapter served from tensors handed over in memory
+(:meth:`VLLMRolloutEngine.load_adapter`). Leaves out: async engine, prompt log-probs, several adapters at once.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingC
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
 
 logger = logging.getLogger(__name__)
+_LORA_ID = 1  # the one adapter an engine serves
 _EXTENSION = "megarl.engines.rollout.vllm_worker_extension.MegarlWeightUpdateExtension"
 
 
@@ -128,6 +130,7 @@ class VLLMRolloutEngine(RolloutEngine):
         in_process: bool = False,
         local_device_index: Optional[int] = None,
         weight_reload: str = "auto",
+        lora_rank: Optional[int] = None,
         **llm_kwargs,
     ) -> None:
         """Start vLLM on the HF dir `model_path`.
@@ -138,7 +141,8 @@ class VLLMRolloutEngine(RolloutEngine):
         `tensor_parallel_size` consecutive ranks); `local_device_index` is this process's CUDA device
         then. `weight_reload` is how a weight update is applied (auto: a direct load where that is exact, else
         vLLM's layerwise reload; layerwise: always; see :mod:`megarl.engines.rollout.vllm_worker_extension`).
-        `llm_kwargs` go to `vllm.LLM` unchanged.
+        `lora_rank`: serve one LoRA adapter of at most this rank (:meth:`load_adapter`). `llm_kwargs` go to
+        `vllm.LLM` unchanged.
         """
         import torch.distributed as dist
         from vllm import LLM
@@ -174,6 +178,10 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._on_cpu and external_launcher and dist.get_world_size() > 1:
             _unique_cpu_shm_names()
         self._sleep_enabled = enable_sleep_mode
+        self._lora_rank = lora_rank
+        self._adapter_loaded = False
+        if lora_rank:
+            llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_compat.lora_rank_slot(lora_rank))
         engine_env = (vllm_compat.in_process_engine_env(local_device_index) if in_process
                       else contextlib.nullcontext())
         with engine_env:
@@ -211,7 +219,7 @@ class VLLMRolloutEngine(RolloutEngine):
         check_prompt_seeds(prompt_token_ids, sampling)
         params = [self._sampling_params(sampling, index) for index in range(len(prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        results = self.llm.generate(prompts, params, use_tqdm=False)
+        results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         outputs: list[RolloutOutput] = []
         for index, request in enumerate(results):
             if len(request.outputs) != sampling.n:
@@ -300,6 +308,32 @@ class VLLMRolloutEngine(RolloutEngine):
             else:
                 self.llm.collective_rpc("megarl_load_weight_blob", args=(encode_bucket(bucket),))
             self._session_names.update(name for name, _ in bucket)
+
+    def _lora_request(self):
+        if not self._adapter_loaded:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        # the adapter is already in the worker under this id (load_adapter), so vLLM never reads the path
+        return LoRARequest(lora_name="megarl-policy", lora_int_id=_LORA_ID, lora_path="megarl:in-memory")
+
+    def load_adapter(self, named_tensors, config: dict) -> None:
+        """Serve this adapter from now on: the tensors go to the workers' LoRA managers as they are (in process,
+        on the device; no file), replacing the previous adapter."""
+        if not self._lora_rank:
+            raise RuntimeError("VLLMRolloutEngine.load_adapter: the engine was built without lora_rank")
+        if self._memory == "asleep" or self._update_open:
+            raise RuntimeError("VLLMRolloutEngine.load_adapter: the engine is asleep or in a weight update")
+        if int(config["r"]) > self._lora_rank:
+            raise ValueError(f"VLLMRolloutEngine.load_adapter: adapter rank {config['r']} > lora_rank {self._lora_rank}")
+        named = list(named_tensors)
+        if self.in_process:
+            self.llm.collective_rpc("megarl_load_adapter", args=(_LORA_ID, named, dict(config)))
+        else:
+            self.llm.collective_rpc("megarl_load_adapter_blob", args=(_LORA_ID, encode_bucket(named), dict(config)))
+        self._adapter_loaded = True
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update")
 
     def finish_weight_update(self) -> None:
         """Finalize the reload and reset the prefix cache; refuses (session stays open) if tensors are missing."""

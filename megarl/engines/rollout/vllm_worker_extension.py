@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engines.rollout.vllm_compat import WEIGHT_RELOAD_MODES, layerwise_reload, loads_in_place
+from megarl.engines.rollout.vllm_compat import (WEIGHT_RELOAD_MODES, add_lora_from_tensors, layerwise_reload,
+                                                loads_in_place)
 
 
 def encode_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -81,6 +82,13 @@ class MegarlWeightUpdateExtension:
     def megarl_load_weight_blob(self, blob: bytes) -> None:
         """Load one bucket serialized by :func:`encode_bucket` (engine core in another process)."""
         self.megarl_load_weights(decode_bucket(blob))
+
+    def megarl_load_adapter(self, lora_id: int, named_tensors: list[tuple[str, torch.Tensor]], config: dict) -> None:
+        """Serve a LoRA adapter given as PEFT-named tensors (in process: they may live on the device)."""
+        add_lora_from_tensors(self.model_runner.lora_manager, lora_id, dict(named_tensors), config)
+
+    def megarl_load_adapter_blob(self, lora_id: int, blob: bytes, config: dict) -> None:
+        self.megarl_load_adapter(lora_id, decode_bucket(blob), config)
 
     def megarl_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config

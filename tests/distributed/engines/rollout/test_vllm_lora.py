@@ -1,0 +1,81 @@
+"""LoRA served by the rollout engines from adapter tensors in memory: vLLM (CPU build, its punica LoRA kernels)
+against the HF engine, which serves an adapter by merging it (``W + alpha/r * B @ A`` in fp32). The same
+adapter gives the same greedy tokens and log-probs on both; a second adapter replaces the first; an adapter
+with B = 0 gives the base model. One vLLM engine for the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from megarl.engines.rollout.base import SamplingConfig  # noqa: E402
+from megarl.engines.rollout.factory import build_rollout_engine  # noqa: E402
+from megarl.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
+
+PROMPTS = [[2, 3, 4, 5, 6], [7, 8], [9, 10, 11, 12]]
+RANK, ALPHA = 8, 16.0
+PROJECTIONS = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (64, 128), "self_attn.v_proj": (64, 128),
+               "self_attn.o_proj": (128, 128), "mlp.gate_proj": (256, 128), "mlp.up_proj": (256, 128),
+               "mlp.down_proj": (128, 256)}
+CONFIG = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "target_modules": [p.split(".")[1] for p in PROJECTIONS],
+          "lora_dropout": 0.0, "bias": "none"}
+
+
+def random_adapter(seed: int, *, zero_b: bool = False) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    named = []
+    for layer in range(2):
+        for module, (out_features, in_features) in PROJECTIONS.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            named.append((f"{prefix}.lora_A.weight", torch.randn(RANK, in_features, generator=gen) * 0.1))
+            b = torch.randn(out_features, RANK, generator=gen) * 0.1
+            named.append((f"{prefix}.lora_B.weight", torch.zeros_like(b) if zero_b else b))
+    return named
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_qwen2_dir):
+    engine = build_rollout_engine(
+        "vllm", str(tiny_qwen2_dir), dtype="float32", enforce_eager=True, max_model_len=128,
+        gpu_memory_utilization=0.3, kv_cache_memory_bytes=64 << 20, block_size=32, seed=0, lora_rank=RANK,
+        in_process=True)
+    yield engine
+    engine.shutdown()
+
+
+GREEDY = SamplingConfig.greedy(max_tokens=8, logprobs=True, ignore_eos=True)
+
+
+def _log_probs(outputs) -> torch.Tensor:
+    return torch.tensor([o.log_probs for o in outputs])
+
+
+def test_served_adapter_matches_the_merged_weights(vllm_engine, tiny_qwen2_dir):
+    hf = HFRolloutEngine(str(tiny_qwen2_dir))
+    base = hf.generate(PROMPTS, GREEDY)
+    for seed in (1, 2):  # the second adapter replaces the first in both engines
+        adapter = random_adapter(seed)
+        vllm_engine.load_adapter(adapter, CONFIG)
+        hf.load_adapter(adapter, CONFIG)
+        served, merged = vllm_engine.generate(PROMPTS, GREEDY), hf.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in served] == [o.token_ids for o in merged]
+        torch.testing.assert_close(_log_probs(served), _log_probs(merged), atol=1e-3, rtol=0)
+        # the adapter acted: the tokens' log-probs moved away from the base model's by far more than the tolerance
+        assert (_log_probs(merged) - _log_probs(base)).abs().max() > 0.05
+
+
+def test_zero_b_adapter_is_the_base_model(vllm_engine, tiny_qwen2_dir):
+    base = HFRolloutEngine(str(tiny_qwen2_dir)).generate(PROMPTS, GREEDY)
+    vllm_engine.load_adapter(random_adapter(3, zero_b=True), CONFIG)
+    served = vllm_engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in served] == [o.token_ids for o in base]
+    torch.testing.assert_close(_log_probs(served), _log_probs(base), atol=1e-3, rtol=0)
+
+
+def test_adapter_rank_above_the_engines_is_refused(vllm_engine):
+    with pytest.raises(ValueError, match="rank 16 > lora_rank 8"):
+        vllm_engine.load_adapter(random_adapter(4), {**CONFIG, "r": 16})
