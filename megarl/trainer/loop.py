@@ -30,6 +30,7 @@ from megarl.algorithms.masked import masked_mean
 from megarl.algorithms.rollout_correction import compute_rollout_correction, parse_bounds, rs_options, rs_thresholds
 from megarl.batch import RolloutBatch, TrainBatch, concat_rows, select_rows
 from megarl.config.loader import to_dict
+from megarl.config.lora import model_lora
 from megarl.config.schema import MegarlConfig
 from megarl.controller.roles import ActorRolloutRef, Critic, Rollout, needs_reference
 from megarl.data.dataset import collate_prompts
@@ -400,7 +401,9 @@ class RLTrainer:
         try:
             self.actor.save(str(staging / "actor"), self.state.step)
             if self.cfg.trainer.save_hf:  # inside the staging dir: it becomes visible with the checkpoint
-                self.actor.save_hf(str(staging / "actor_hf"))
+                self.actor.save_hf(str(staging / "actor_hf"))  # with LoRA: the merged model
+                if model_lora(self.cfg.actor_rollout_ref.model) is not None:
+                    self.actor.save_hf_adapter(str(staging / "actor_hf_adapter"))  # and the adapter alone
             if self.critic is not None:
                 self.critic.save(str(staging / "critic"), self.state.step)
             if self.in_flight is not None:  # one-step-off: the next step's batch, generated already

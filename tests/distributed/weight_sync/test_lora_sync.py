@@ -2,7 +2,7 @@
 merged into the ordinary weight sync, and served (the base once with the adapters off, then the adapter alone in
 PEFT names). Either way the rollout engine's logits equal the trainer's (its LoRA forward). The PEFT adapter
 written by ``save_peft_adapter`` and read back by ``load_peft_adapter`` into zeroed adapters gives the trainer's
-logits bitwise, and vLLM (CPU) loads that directory from disk as an ordinary PEFT adapter."""
+logits bitwise, and peft's own ``PeftModel`` on the HF model gives the trainer's logits from that directory."""
 
 from __future__ import annotations
 
@@ -110,3 +110,13 @@ def test_merged_and_served_adapters_give_the_trainers_logits(tmp_path, arch, lay
     assert (results[0]["merged"] - base).abs().max() > 1e-2  # the adapters changed the model
     assert results[0]["names"] == results[1]["names"]  # every rank gathered the whole adapter
     assert any(".q_proj.lora_A" in n for n in results[0]["names"])
+    # the directory is a PEFT adapter: peft itself applies it to the HF model and gets the trainer's logits
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                   attn_implementation="eager")
+    model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        peft_logits = model(input_ids=sample_tokens(results[0]["merged"].shape[-1])).logits
+    torch.testing.assert_close(peft_logits, trainer[0], rtol=1e-4, atol=1e-4)
