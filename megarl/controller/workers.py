@@ -14,6 +14,9 @@ With ``trainer.placement=separate`` the rollout replicas are ``RolloutWorker``s
 to them: broadcast over a process group of rank 0 and the rollout workers (NCCL on GPUs, gloo on CPU), or
 through Ray's object store (host memory), per ``actor_rollout_ref.rollout.weight_sync_transport``
 (:mod:`megarl.controller.peer_transports`).
+With LoRA (``model.lora``) the actor's engine trains adapters on a frozen base, the reference log-probs come from
+the same engine with its adapters off, and the rollout engine gets merged weights or serves the adapter
+(``lora.merge``; :meth:`ActorRolloutRefWorker.sync_weights`).
 Leaves out: separate rollout replicas spanning several workers (rollout TP > 1 needs colocation).
 """
 

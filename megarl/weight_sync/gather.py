@@ -7,6 +7,9 @@ bridge turns the full megatron tensor into HF tensors, and those are broadcast t
 shapes are agreed beforehand from meta tensors, so receivers allocate exactly once per tensor. Memory:
 one full parameter (plus its HF pieces) at a time. Data-parallel replicas gather independently.
 
+LoRA: adapted linears' weights leave merged (``W + alpha/r * B A`` on each rank's shard, one at a time), the
+adapters themselves not at all (:mod:`megarl.weight_sync.adapters` exports them as a PEFT adapter).
+
 Leaves out: bucketing and delivery (:mod:`megarl.weight_sync.buckets`, transports) and context
 parallelism (parameters are replicated across CP ranks, so CP needs nothing).
 """
