@@ -105,7 +105,8 @@ def trainer_overrides(args, work: Path) -> list[str]:
         overrides += ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
                       f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}"]
     else:
-        overrides += ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.megatron.params_dtype=float32"]
+        overrides += ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.dtype=float32",
+                      "actor_rollout_ref.actor.megatron.params_dtype=float32"]
     return overrides + list(args.override)
 
 

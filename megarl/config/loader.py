@@ -226,6 +226,33 @@ def _resolve_interpolations(tree: dict) -> dict:
     return resolve(tree, "")
 
 
+def derived_experiment_name(tree: dict) -> str:
+    """``<adv_estimator>_<model directory name>`` (``grpo_Qwen2.5-7B-Instruct``): a run given no name gets its
+    own output folder instead of another run's."""
+    model = str(tree["actor_rollout_ref"]["model"]["path"]).rstrip("/")
+    model = model.split(":", 1)[1] if model.startswith("embedded:") else Path(model).name
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{tree['algorithm']['adv_estimator']}_{model}")
+
+
+def given_keys(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> set[str]:
+    """The dotted keys a YAML file and command-line overrides set (not the schema's defaults)."""
+    keys: set[str] = set()
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            keys.add(prefix[:-1])
+
+    if path is not None:
+        walk(load_yaml_mapping(path), "")
+    for text in overrides:
+        parts, value = parse_override(text)
+        walk(_nest(parts, value), "")
+    return keys
+
+
 def read_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> MegarlConfig:
     """Defaults <- YAML file (if given) <- overrides, type-checked and interpolated; not yet filled or validated
     (:func:`megarl.run_config.load_config` does both)."""
@@ -241,6 +268,8 @@ def read_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
         given = _merge(given, _nest(parts, value))
     _check_known(given, " on the command line")
     tree = _merge(tree, given)
+    if tree["trainer"].get("experiment_name") is None:  # before ${trainer.experiment_name} is interpolated
+        tree["trainer"]["experiment_name"] = derived_experiment_name(tree)
     return _build(MegarlConfig, _resolve_interpolations(tree), "")
 
 

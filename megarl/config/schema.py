@@ -18,9 +18,10 @@ class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
     val_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
     prompt_key: str = "prompt"
-    max_prompt_length: int = 32
-    max_response_length: int = 8
-    train_batch_size: int = 16  # prompts per step (each sampled rollout.n times)
+    # verl's production defaults; the CPU demo (configs/grpo_tiny.yaml) sets its own small ones
+    max_prompt_length: int = 512
+    max_response_length: int = 512
+    train_batch_size: int = 1024  # prompts per step (each sampled rollout.n times)
     val_batch_size: int = 64
     shuffle: bool = True
     seed: int = 1
@@ -94,7 +95,7 @@ class MegatronConfig:
     expert_tensor_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = True
-    params_dtype: str = "float32"  # float32 | bfloat16
+    params_dtype: str = "bfloat16"  # bfloat16 | float32 (the CPU demo's)
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
@@ -112,7 +113,7 @@ class MegatronConfig:
 
 @dataclass
 class ActorConfig:
-    ppo_mini_batch_size: int = 16  # prompts per optimizer step (x rollout.n responses)
+    ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size_per_gpu: int = 8  # responses per forward/backward
     # With sequence packing: micro-batches by real tokens (prompt + response) instead of a row count.
     ppo_max_token_len_per_gpu: Optional[int] = None
@@ -164,7 +165,7 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf | vllm
+    name: str = "vllm"  # vllm | hf (the CPU demo's and debugging engine)
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -179,7 +180,7 @@ class RolloutConfig:
     # (verl's key; what actor.load_weight=false needs)
     load_format: str = "auto"
     free_cache_engine: bool = True  # sleep the engine between rollouts when colocated
-    dtype: str = "float32"
+    dtype: str = "bfloat16"  # bfloat16 | float32
     log_prob_micro_batch_size_per_gpu: int = 16
     log_prob_max_token_len_per_gpu: Optional[int] = None  # token budget of the actor's log-prob pass
     weight_sync_bucket_mb: int = 512
@@ -214,7 +215,7 @@ class CriticConfig:
     enable: Optional[bool] = None  # None: on exactly when the advantage estimator needs values (gae)
     model_path: Optional[str] = None  # defaults to the actor's model
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
-    ppo_mini_batch_size: int = 16
+    ppo_mini_batch_size: int = 256
     ppo_micro_batch_size_per_gpu: int = 8
     use_sequence_packing: Optional[bool] = None  # defaults to actor_rollout_ref.model.use_sequence_packing
     ppo_max_token_len_per_gpu: Optional[int] = None  # token budget of value passes and updates
@@ -358,7 +359,8 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     project_name: str = "megarl"
-    experiment_name: str = "grpo_tiny"
+    # None: <adv_estimator>_<model directory name>, so a run without a name never writes into another run's folder
+    experiment_name: Optional[str] = None
     total_epochs: int = 1
     total_training_steps: Optional[int] = None  # defaults to epochs x batches per epoch
     save_freq: int = -1  # steps between checkpoints; -1 = never

@@ -45,3 +45,29 @@ def explain(key: str) -> Optional[str]:
         if key.startswith(prefix + "."):
             return reason
     return LEAF.get(key.rsplit(".", 1)[-1])
+
+
+# What a verl user's command line almost always sets; a run that leaves one to megarl's default says which, with
+# the value it got, at start-up (megarl.trainer.main): the defaults are production-sized, not the run's.
+USUALLY_SET = (
+    "data.train_files", "data.val_files", "data.max_prompt_length", "data.max_response_length",
+    "data.train_batch_size", "actor_rollout_ref.model.path", "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.rollout.name", "actor_rollout_ref.rollout.n",
+    "algorithm.adv_estimator", "trainer.experiment_name", "trainer.total_epochs", "trainer.save_freq",
+    "trainer.n_gpus_per_node",
+)
+
+
+def defaulted_usual_keys(cfg, given: set[str]) -> list[str]:
+    """``key=value`` for each of :data:`USUALLY_SET` that neither the YAML file nor the command line gave
+    (``trainer.total_epochs`` counts as given with ``trainer.total_training_steps``)."""
+    given = set(given) | ({"trainer.total_epochs"} if "trainer.total_training_steps" in given else set())
+    out = []
+    for key in USUALLY_SET:
+        if key in given:
+            continue
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        out.append(f"{key}={node}")
+    return out

@@ -17,7 +17,9 @@ from typing import Optional, Sequence
 
 from megarl.config import MegarlConfig
 from megarl.run_config import load_config
+from megarl.config.loader import given_keys
 from megarl.config.paths import with_absolute_paths
+from megarl.config.verl_keys import defaulted_usual_keys
 from megarl.engines.megatron.expected_warnings import explanation, hide_expected_warnings
 from megarl.trainer.agent_rollout import build_agent_rollout
 from megarl.trainer.loop import RLTrainer
@@ -181,6 +183,9 @@ def cli(argv: Optional[Sequence[str]] = None) -> int:
     hide_expected_warnings()
     try:
         cfg = load_config(args.config, args.overrides)
+        defaulted = defaulted_usual_keys(cfg, given_keys(args.config, args.overrides))
+        if defaulted:
+            print("defaults in use for keys verl users usually set: " + ", ".join(defaulted), flush=True)
         if args.validate_only:
             return validate_only(cfg)
     except ConfigError as exc:

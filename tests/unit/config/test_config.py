@@ -6,13 +6,41 @@ from megarl.config import ConfigError, MegarlConfig, save_config
 from megarl.run_config import load_config
 from tests.paths import REPO
 
+# the sizes these checks were written against (the CPU demo's): the schema's own defaults are production-sized
+DEMO_SIZES = ["data.max_prompt_length=32", "data.max_response_length=8", "data.train_batch_size=16",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16"]
+
 
 def test_defaults_construct_and_validate():
     cfg = load_config()
     assert isinstance(cfg, MegarlConfig)
     assert cfg.actor_rollout_ref.actor.clip_ratio_high == cfg.actor_rollout_ref.actor.clip_ratio
     assert cfg.critic.enable is False  # grpo needs no critic
-    assert cfg.trainer.default_local_dir == "outputs/megarl/grpo_tiny"  # interpolated
+    # no name given: one derived from the estimator and the model, never the demo's folder (interpolated)
+    assert cfg.trainer.default_local_dir == "outputs/megarl/grpo_tiny-qwen2"
+    # production-sized defaults (verl's), not the CPU demo's: that one sets its own in configs/grpo_tiny.yaml
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    assert (d.max_prompt_length, d.max_response_length, d.train_batch_size) == (512, 512, 1024)
+    assert (arr.rollout.name, arr.rollout.dtype, arr.actor.megatron.params_dtype) == ("vllm", "bfloat16", "bfloat16")
+
+
+def test_a_run_without_a_name_gets_its_own_folder_and_hears_which_usual_keys_it_left_to_defaults(tmp_path):
+    from megarl.config.loader import given_keys
+    from megarl.config.verl_keys import defaulted_usual_keys
+
+    overrides = ["algorithm.adv_estimator=rloo", f"actor_rollout_ref.model.path={tmp_path}/Qwen2.5-7B-Instruct/",
+                 "data.max_prompt_length=1024", "trainer.total_training_steps=5"]
+    cfg = load_config(None, overrides)
+    assert cfg.trainer.experiment_name == "rloo_Qwen2.5-7B-Instruct"
+    assert cfg.trainer.default_local_dir == "outputs/megarl/rloo_Qwen2.5-7B-Instruct"
+    defaulted = defaulted_usual_keys(cfg, given_keys(None, overrides))
+    assert "data.max_response_length=512" in defaulted and "actor_rollout_ref.rollout.name=vllm" in defaulted
+    assert not any(k.startswith(("data.max_prompt_length=", "algorithm.adv_estimator=", "trainer.total_epochs="))
+                   for k in defaulted)
+    tiny = str(REPO / "configs" / "grpo_tiny.yaml")
+    named = load_config(tiny, [])
+    assert named.trainer.experiment_name == "grpo_tiny"  # a name given is kept
+    assert "trainer.experiment_name" in given_keys(tiny, [])
 
 
 def test_checking_reads_only_and_defaults_are_filled_apart():
@@ -85,18 +113,19 @@ def test_bad_settings_name_the_key(override, message):
     if message is None:
         message = r"algorithm.adv_estimator=gae needs a critic, but critic.enable=false"
     with pytest.raises(ConfigError, match=message):
-        load_config(overrides=overrides)
+        load_config(overrides=DEMO_SIZES + overrides)
 
 
 def test_token_budgets_replace_the_micro_batch_divisibility_check():
-    cfg = load_config(overrides=["actor_rollout_ref.model.use_sequence_packing=true",
+    cfg = load_config(overrides=DEMO_SIZES + ["actor_rollout_ref.model.use_sequence_packing=true",
                                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"])
     assert cfg.critic.use_sequence_packing is True  # follows the actor's model unless set
 
 
 def test_context_parallel_budget_is_per_gpu():
-    cfg = load_config(overrides=["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+    cfg = load_config(overrides=DEMO_SIZES + ["trainer.n_gpus_per_node=2",
+                                              "actor_rollout_ref.actor.megatron.context_parallel_size=2",
                                  "actor_rollout_ref.model.use_sequence_packing=true",
                                  "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20"])
     assert cfg.actor_rollout_ref.actor.megatron.context_parallel_size == 2

@@ -13,14 +13,14 @@ def _tree(*overrides):
 
 def test_the_run_identity_changes_are_listed_and_the_knobs_are_not():
     base = _tree()
-    changed = _tree("algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=32",
+    changed = _tree("algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=512",
                     "actor_rollout_ref.model.path=/models/other", "actor_rollout_ref.actor.clip_ratio_high=0.28")
     assert identity_changes(base, changed) == [
         "actor_rollout_ref.actor.clip_ratio_high: 0.2 -> 0.28",
         "actor_rollout_ref.model.path: 'embedded:tiny-qwen2' -> '/models/other'",
         "actor_rollout_ref.rollout.n: 8 -> 4",
         "algorithm.adv_estimator: 'grpo' -> 'rloo'",
-        "data.train_batch_size: 16 -> 32",
+        "data.train_batch_size: 1024 -> 512",
     ]
     knobs = _tree("trainer.total_training_steps=99", "actor_rollout_ref.actor.optim.lr=3e-6",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.save_freq=5",
