@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 from megarl.models.parallel_layout import ParallelLayout
 from megarl.plan.layout import LayoutSpec, TrainingSpec
@@ -29,18 +31,41 @@ def read_hf_config(path: str | Path) -> dict:
         raise SystemExit(f"megarl.plan: {file} is not valid JSON: {exc}") from exc
 
 
+REFERENCE_CONFIGS = Path(__file__).resolve().parents[1] / "models" / "reference_configs"
+
+
+def planning_config_dir(model_path: str) -> tuple[Path, Optional[str]]:
+    """Where the planner reads the model's config.json, and a note when that is not ``model_path`` itself: an
+    embedded test model's built directory, or, for a recipe whose checkpoint is not on this machine yet, the
+    shipped reference config of the same model (matched by name: ``checkpoints/hf/Qwen2.5-7B-Instruct`` ->
+    ``reference_configs/qwen2_5_7b_instruct``), so every shipped recipe plans as written."""
+    if model_path.startswith("embedded:"):
+        from megarl.models.embedded import resolve_model_path
+
+        return resolve_model_path(model_path), None
+    path = Path(model_path)
+    if (path / "config.json").is_file() or path.is_file():
+        return path, None
+    squash = lambda name: re.sub(r"[^a-z0-9]", "", name.lower())  # noqa: E731
+    wanted = squash(path.name)
+    matches = [ref for ref in REFERENCE_CONFIGS.iterdir()
+               if (ref / "config.json").is_file() and wanted.startswith(squash(ref.name))]
+    if not matches:
+        return path, None  # read_hf_config names the missing file and the shipped configs
+    best = max(matches, key=lambda ref: len(ref.name))
+    return best, (f"no config.json at {path}: planned with the shipped {best.name} config "
+                  f"(megarl/models/reference_configs/{best.name})")
+
+
 def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
     """Translate a :class:`megarl.config.schema.MegarlConfig` into the planner's inputs."""
     from megarl.config.lora import model_lora, resolve_targets
     from megarl.config.validate import critic_enabled, training_world_size
 
     arr = cfg.actor_rollout_ref
-    model_path = arr.model.path
-    if model_path.startswith("embedded:"):
-        raise SystemExit(
-            f"megarl.plan: actor_rollout_ref.model.path={model_path!r} is an embedded test model; "
-            "point it at an HF model directory (e.g. megarl/models/reference_configs/<name>)"
-        )
+    model_path, note = planning_config_dir(arr.model.path)
+    if note:
+        print(f"megarl.plan: {note}")
     m = arr.actor.megatron
     optim_overrides = arr.actor.optim.override_optimizer_config
     layout = LayoutSpec(

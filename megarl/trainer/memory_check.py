@@ -10,7 +10,6 @@ turns it off: then nothing is checked.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Optional
 
 from megarl.config.errors import ConfigError
@@ -20,8 +19,12 @@ GIB = 1024**3
 
 
 def plannable(cfg: MegarlConfig) -> bool:
-    """Whether the model path holds the HF config.json the planner reads."""
-    return (Path(cfg.actor_rollout_ref.model.path) / "config.json").is_file()
+    """Whether the planner finds the model's config.json: in the model path, an embedded model's directory, or
+    (a recipe whose checkpoint is not here yet) the shipped reference config of the same model."""
+    from megarl.plan.from_config import planning_config_dir
+
+    path, _ = planning_config_dir(cfg.actor_rollout_ref.model.path)
+    return (path / "config.json").is_file()
 
 
 def plan_run(cfg: MegarlConfig, *, gpu_memory_gib: float, host_memory_gib: Optional[float] = None):
