@@ -73,3 +73,21 @@ def test_vllm_serves_the_adapter_and_follows_the_trainer(tmp_path):
         # fp32 on both sides; a stale adapter or a wrong scale would show as O(0.1-1) differences
         assert h["rollout/log_prob_diff_max"] < 1e-3, (h["step"], h["rollout/log_prob_diff_max"])
         assert 0 < h["weight_sync/bytes"] < 2**20  # the adapter alone, not the model
+
+
+@pytest.mark.timeout(600)
+def test_a_run_starts_from_an_exported_peft_adapter(tmp_path):
+    """verl's ``lora_adapter_path``: a new run starts from the adapter another run exported; its first rollout is
+    already the adapted policy (KL to the base from the first mini-batch on, the rollout matching the trainer)."""
+    first = tmp_path / "first"
+    _run(_config(first, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.save_hf=true"))
+    adapter = first / "checkpoints" / "global_step_2" / "actor_hf_adapter"
+    common = ("trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=true",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=16")  # one optimizer step: KL before any update
+    fresh = _run(_config(tmp_path / "fresh", *common))
+    started = _run(_config(tmp_path / "started", *common, "actor_rollout_ref.model.lora.rank=0",
+                           "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                           f"actor_rollout_ref.model.lora_adapter_path={adapter}"))
+    assert fresh[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-9)  # B = 0: the policy is the base
+    assert started[0]["actor/kl_loss"] > 1e-4  # the exported adapter, loaded: not the base
+    assert started[0]["rollout/log_prob_diff_max"] < 1e-4  # and the rollout engine generated with it
