@@ -19,6 +19,10 @@ the range ``setup.py``'s ``vllm`` extra names. What differs between them, or is 
   ``vllm.lora.models`` to ``vllm.lora.lora_model``); ``max_lora_rank`` takes only some values
   (:func:`lora_rank_slot`).
 
+* a warning vLLM's layerwise reload logs on every healthy reload ("RotaryEmbedding: Failed to load weights":
+  the rotary cache is a buffer no checkpoint holds, and vLLM keeps it): filtered, with the reason logged once
+  (:func:`quiet_expected_reload_warnings`).
+
 Leaves out: vLLM's own weight-transfer engines (``weight_transfer_config``), which 0.26 has and which an
 in-process engine does not need.
 """
@@ -26,7 +30,9 @@ in-process engine does not need.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Optional
 
@@ -168,3 +174,36 @@ def add_lora_from_tensors(worker_lora_manager, lora_id: int, tensors: dict, conf
         manager.remove_adapter(lora_id)
         manager.add_adapter(lora)
         manager.activate_adapter(lora_id)
+
+
+# Layers whose buffers vLLM counts as loadable but no checkpoint (and so no weight sync) holds: their rotary
+# cos/sin caches, which vLLM puts back itself after a layerwise reload.
+_NO_CHECKPOINT_WEIGHTS = re.compile(r"(Rotary|RoPE|Rope)\w*$")
+
+
+class _ExpectedReloadWarning(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self._explained = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        if not _NO_CHECKPOINT_WEIGHTS.search(str(record.args[0])):
+            return True  # a layer that should have had weights: keep the warning
+        if not self._explained:
+            self._explained = True
+            logging.getLogger("megarl").info(
+                "vLLM's layerwise reload says '%s: Failed to load weights' after each weight sync: its rotary cache "
+                "is a buffer no checkpoint holds, and vLLM keeps it (expected; hidden from now on)", record.args[0])
+        return False
+
+
+_FILTER = _ExpectedReloadWarning()
+
+
+def quiet_expected_reload_warnings() -> None:
+    """Hide vLLM's expected reload warning for rotary layers (idempotent); other layers' still show."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _FILTER not in layerwise.filters:
+        layerwise.addFilter(_FILTER)

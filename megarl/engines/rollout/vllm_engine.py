@@ -148,6 +148,7 @@ class VLLMRolloutEngine(RolloutEngine):
         from vllm import LLM
 
         vllm_compat.check_supported_version()
+        vllm_compat.quiet_expected_reload_warnings()
         if weight_reload not in vllm_compat.WEIGHT_RELOAD_MODES:
             raise ValueError(f"VLLMRolloutEngine: weight_reload={weight_reload!r} is not one of "
                              f"{vllm_compat.WEIGHT_RELOAD_MODES}")
