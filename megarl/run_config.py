@@ -69,7 +69,8 @@ def check_component_settings(cfg: MegarlConfig) -> None:
 
 
 def check_megatron_overrides(cfg: MegarlConfig) -> None:
-    """``*.optim.override_optimizer_config`` and ``*.megatron.override_ddp_config`` name megatron-core's own
+    """``*.optim.override_optimizer_config``, ``*.megatron.override_ddp_config`` and ``override_transformer_config``
+    name megatron-core's own
     fields: an unknown name, or values megatron refuses, fail at load with the key, not at the first step."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -95,6 +96,17 @@ def check_megatron_overrides(cfg: MegarlConfig) -> None:
         if role.optim.override_optimizer_config.get("optimizer_cpu_offload") and cfg.trainer.device == "cpu":
             raise ConfigError(f"{prefix}.optim.override_optimizer_config.optimizer_cpu_offload=true moves the "
                               f"optimizer from the GPU to the host: trainer.device=cpu has no GPU to move it from")
+    from megatron.core.transformer import TransformerConfig
+
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    for prefix, megatron in (("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron),
+                             ("critic.megatron", cfg.critic.megatron), ("reward_model.megatron", cfg.reward_model.megatron)):
+        for name in megatron.override_transformer_config:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{prefix}.override_transformer_config.{name}: megatron-core's TransformerConfig "
+                                  f"has no field {name!r}{hint}")
 
 
 def validate_config(cfg: MegarlConfig) -> MegarlConfig:

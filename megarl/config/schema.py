@@ -104,6 +104,9 @@ class MegatronConfig:
     recompute_num_layers: Optional[int] = None
     # megatron-core DistributedDataParallelConfig fields set as given (verl's key), e.g. grad_reduce_in_fp32: false
     override_ddp_config: dict[str, Any] = field(default_factory=dict)
+    # megatron-core TransformerConfig fields set as given, over megarl's own (verl's key), e.g. recompute_granularity:
+    # full, recompute_method: uniform, recompute_num_layers: 1, recompute_modules: [core_attn]
+    override_transformer_config: dict[str, Any] = field(default_factory=dict)
     seed: int = 42
     # Start from a megatron torch_dist checkpoint (converters/hf_to_mcore.py's output, or a Megatron-LM save)
     # instead of the HF weights; any layout loads it. The HF model path still gives config and tokenizer.

@@ -72,13 +72,20 @@ def ddp_config(m: MegatronConfig):
 
 
 def transformer_overrides(m: MegatronConfig) -> dict:
+    """megarl's TransformerConfig settings for a role, then ``override_transformer_config`` (verl's) over them."""
     overrides = {"sequence_parallel": m.sequence_parallel}
-    if m.recompute_granularity:
-        overrides.update(recompute_granularity=m.recompute_granularity)
-        if m.recompute_granularity == "full":
+    granularity = m.override_transformer_config.get("recompute_granularity", m.recompute_granularity)
+    if granularity:
+        overrides.update(recompute_granularity=granularity)
+        if granularity == "full":
             overrides.update(recompute_method=m.recompute_method or "uniform",
                              recompute_num_layers=m.recompute_num_layers or 1)
-    return overrides
+    given = dict(m.override_transformer_config)
+    if isinstance(given.get("attention_backend"), str):  # verl writes megatron's enum by name (flash, local, ...)
+        from megatron.core.transformer.enums import AttnBackend
+
+        given["attention_backend"] = AttnBackend[given["attention_backend"]]
+    return {**overrides, **given}
 
 
 def policy_loss_arguments(actor: ActorConfig) -> dict:

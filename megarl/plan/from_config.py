@@ -77,7 +77,7 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         # megatron's optimizer_cpu_offload keeps a share of it there and steps it on the host
         optimizer_cpu_offload=bool(optim_overrides.get("optimizer_cpu_offload", False)),
         optimizer_offload_fraction=float(optim_overrides.get("optimizer_offload_fraction", 1.0)),
-        recompute=m.recompute_granularity or "none",
+        recompute=m.override_transformer_config.get("recompute_granularity") or m.recompute_granularity or "none",
         rollout_tp=arr.rollout.tensor_model_parallel_size,
         placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
         rollout_gpus=cfg.trainer.rollout_gpus,
