@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 NODE_NAME_PREFIX = "megarl_node:"
 
@@ -72,17 +73,32 @@ def wait_for_nodes(nnodes: int, per_node: int, device: str, timeout_s: float, po
         usable = usable_nodes(nodes, per_node, device)
         if len(usable) >= nnodes:
             return usable
-        every_node_joined = whole_allocation and len(nodes) >= nnodes
-        if every_node_joined or time.monotonic() >= deadline:
-            unit = "GPUs" if device == "cuda" else "CPUs"
-            when = (f"with all {len(nodes)} nodes of the allocation joined" if every_node_joined
-                    else f"after {timeout_s:g} s")
-            raise ClusterWaitError(
-                f"the run asks for {nnodes} nodes x {per_node} {unit} (trainer.nnodes x trainer.n_gpus_per_node) "
-                f"but {when} the cluster has {len(usable)} such node(s); alive nodes: "
-                f"{describe_nodes(nodes)}. Check the per-node logs of the workers that did not join."
-            )
+        verdict = hopeless(nodes, nnodes, per_node, device, whole_allocation=whole_allocation,
+                           timed_out=time.monotonic() >= deadline, timeout_s=timeout_s)
+        if verdict is not None:
+            raise ClusterWaitError(verdict)
         time.sleep(poll_s)
+
+
+def hopeless(nodes: list[ClusterNode], nnodes: int, per_node: int, device: str, *, whole_allocation: bool = False,
+             timed_out: bool = False, timeout_s: float = 0.0) -> Optional[str]:
+    """Why waiting longer cannot give ``nnodes`` usable nodes (the error to raise), or None to keep waiting.
+
+    Hopeless: the deadline passed; a scheduler's allocation has fully joined with too few usable nodes; or a GPU
+    run on a cluster whose ``nnodes`` (or more) nodes have joined without a single GPU between them (a GPU-less
+    cluster, or Ray started without GPUs: nothing a further wait changes, so it fails now, not at the timeout)."""
+    usable = usable_nodes(nodes, per_node, device)
+    unit = "GPUs" if device == "cuda" else "CPUs"
+    ask = f"the run asks for {nnodes} nodes x {per_node} {unit} (trainer.nnodes x trainer.n_gpus_per_node)"
+    if device == "cuda" and len(nodes) >= nnodes and not any(node.gpus > 0 for node in nodes):
+        return (f"{ask} but no node of the cluster has a GPU ({describe_nodes(nodes)}): start Ray on the GPU nodes "
+                f"(ray start ... --num-gpus), or run on CPU with trainer.device=cpu")
+    every_node_joined = whole_allocation and len(nodes) >= nnodes
+    if not (every_node_joined or timed_out):
+        return None
+    when = f"with all {len(nodes)} nodes of the allocation joined" if every_node_joined else f"after {timeout_s:g} s"
+    return (f"{ask} but {when} the cluster has {len(usable)} such node(s); alive nodes: {describe_nodes(nodes)}. "
+            f"Check the per-node logs of the workers that did not join.")
 
 
 def main(argv: list[str] | None = None) -> int:
