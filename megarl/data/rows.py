@@ -8,12 +8,13 @@ Left out: streaming writes of datasets that do not fit in memory (the demo and G
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from megarl.checkpoint_files import publish, temporary_name
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_MODEL_TYPE = pa.struct([("ground_truth", pa.string()), ("style", pa.string())])
@@ -49,8 +50,7 @@ def write_prompt_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
         "extra_info": pa.array([r["extra_info"] for r in rows]),
     }
     table = pa.table(columns)
-    # A unique temp name per process: concurrent writers of the same file must not clobber each other mid-write.
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temporary_name(path)  # one per process: concurrent writers of the same file must not clobber each other
     pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    publish(tmp, path)
     return path

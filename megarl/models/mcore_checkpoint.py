@@ -34,9 +34,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megarl.checkpoint_files import write_json_atomically
 from megarl.models.bridge import unwrap_model
 from megarl.models.convert.safetensors_stream import (
-    TensorLocation, file_crc32, fsync_directory, read_safetensors_header, read_tensor,
+    TensorLocation, file_crc32, read_safetensors_header, read_tensor,
 )
 
 FORMAT_NAME = "megarl-mcore-weights"
@@ -142,15 +143,7 @@ def read_metadata(ckpt_dir: str | os.PathLike, *, require_complete: bool = True)
 
 def write_metadata(ckpt_dir: str | os.PathLike, raw: dict[str, Any]) -> None:
     """Publish metadata.json atomically (tmp + fsync + rename): its presence means the checkpoint is whole."""
-    ckpt_dir = os.fspath(ckpt_dir)
-    path = os.path.join(ckpt_dir, METADATA_FILE)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(raw, handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_directory(ckpt_dir)
+    write_json_atomically(os.path.join(os.fspath(ckpt_dir), METADATA_FILE), raw, indent=1)
 
 
 def locate_rank_tensors(ckpt_dir: str | os.PathLike, metadata: MCoreCheckpointMetadata, *, tp_rank: int,

@@ -20,18 +20,10 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from megarl.checkpoint_files import TRACKER_FILE, mark_latest, tracked_iteration, write_atomically
 from megarl.engines.megatron.checkpoint import has_complete_checkpoint
 
-MARKER = "latest_checkpointed_iteration.txt"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+MARKER = TRACKER_FILE  # Megatron-LM's tracker, here naming the newest complete global_step_N
 
 
 class CheckpointManager:
@@ -82,23 +74,25 @@ class CheckpointManager:
                     f"checkpoint of step {step} not committed: {staging / role} holds no complete {role} state. The "
                     f"workers must see trainer.default_local_dir={self.root.parent} at the same path as the driver "
                     f"(a filesystem shared by every node)")
-        _atomic_write_text(staging / "trainer_state.json", json.dumps(trainer_state, indent=1))
+        write_atomically(staging / "trainer_state.json", json.dumps(trainer_state, indent=1))
         final = self.step_dir(step)
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
-        _atomic_write_text(self.root / MARKER, str(step))
+        mark_latest(self.root, step)
         self._prune()
         return final
 
     def latest_step(self) -> Optional[int]:
         marker = self.root / MARKER
-        if not marker.is_file():
+        try:
+            step = tracked_iteration(self.root)
+        except ValueError:  # the tracker's own words are Megatron-LM's (iterations); the trainer's are steps
+            step = -1
+        if step is None:
             return None
-        text = marker.read_text().strip()
-        if not text.isdigit():
-            raise ValueError(f"{marker}: expected a step number, found {text!r}")
-        step = int(text)
+        if step < 0:
+            raise ValueError(f"{marker}: expected a step number, found {marker.read_text().strip()!r}")
         if not (self.step_dir(step) / "trainer_state.json").is_file():
             raise FileNotFoundError(f"{marker} names step {step}, but {self.step_dir(step)} is incomplete or missing")
         return step

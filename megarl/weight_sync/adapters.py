@@ -105,16 +105,16 @@ def save_peft_adapter(named: NamedTensors, config: dict, out_dir: str | os.PathL
     """Write a PEFT adapter directory (weights first, the config last: a directory without it is not an adapter)."""
     from safetensors.torch import save_file
 
-    from megarl.models.convert.hf_index import write_json_atomically
+    from megarl.checkpoint_files import publish, temporary_name, write_json_atomically
 
     out = Path(out_dir)
     if (out / ADAPTER_CONFIG).exists():
         raise FileExistsError(f"{out / ADAPTER_CONFIG} exists: {out} already holds an adapter")
     out.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in named}
-    partial = out / f".{ADAPTER_WEIGHTS}.partial"
-    save_file(tensors, str(partial), metadata={"format": "pt"})
-    os.replace(partial, out / ADAPTER_WEIGHTS)
+    partial = temporary_name(out / ADAPTER_WEIGHTS)
+    save_file(tensors, partial, metadata={"format": "pt"})
+    publish(partial, out / ADAPTER_WEIGHTS)
     write_json_atomically(out / ADAPTER_CONFIG, config)
     return out
 

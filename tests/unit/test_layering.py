@@ -1,6 +1,6 @@
 """The package's dependency direction (docs/design.md), read from the source of every module:
 
-    config -> data / rewards / algorithms / batch -> models / plan / run_config -> engines -> weight_sync
+    config, checkpoint_files -> data / rewards / algorithms / batch -> models / plan / run_config -> engines -> weight_sync
            -> controller -> trainer
 
 no module imports one of a later layer (lazy imports inside functions included, relative imports resolved,
@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megarl"
-LAYER = {"config": 0, "batch": 1, "data": 1, "rewards": 1, "algorithms": 1, "agents": 1, "models": 2, "plan": 2,
+LAYER = {"config": 0, "checkpoint_files": 0, "batch": 1, "data": 1, "rewards": 1, "algorithms": 1, "agents": 1, "models": 2, "plan": 2,
          "run_config": 2, "engines": 3, "weight_sync": 4, "controller": 5, "trainer": 6}
 
 

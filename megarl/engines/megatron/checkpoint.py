@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.models.convert.torch_dist import TRACKER_FILE, iteration_dir_name, mark_latest, tracked_iteration
+from megarl.checkpoint_files import TRACKER_FILE, mark_latest, tracked_iteration
+from megarl.models.convert.torch_dist import iteration_dir_name
 from megarl.models.cpu_compat import cuda_tensors_on_cpu
 
 

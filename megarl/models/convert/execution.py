@@ -41,7 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from megarl.models.convert.safetensors_stream import PlannedTensor, fsync_directory
+from megarl.checkpoint_files import fsync_directory
+from megarl.models.convert.safetensors_stream import PlannedTensor
 
 logger = logging.getLogger(__name__)
 

@@ -20,19 +20,6 @@ _ASSET_MAX_BYTES = 64 * 1024 * 1024
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
-def write_json_atomically(path: str | os.PathLike, data: dict) -> None:
-    """``data`` as JSON at ``path``, via a temporary file and a rename: readers see the old file or the
-    whole new one (config.json and the index of a checkpoint being written)."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-
-
 def hf_asset_names(hf_dir: str | os.PathLike) -> list[str]:
     """The small non-weight files of an HF model directory (config, tokenizer, generation config, chat
     template) that travel with converted or exported weights."""

@@ -432,7 +432,8 @@ def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, 
 
 def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.dtype], workers: int,
                            memory_budget_bytes: Optional[int], max_file_bytes: int) -> dict:
-    from megarl.models.convert.torch_dist import TRACKER_FILE, WORKER_MODULES
+    from megarl.checkpoint_files import TRACKER_FILE
+    from megarl.models.convert.torch_dist import WORKER_MODULES
 
     if os.path.isfile(os.path.join(out_dir, TRACKER_FILE)):
         raise FileExistsError(f"{os.path.join(out_dir, TRACKER_FILE)} exists: {out_dir} already holds a finished "
@@ -459,9 +460,8 @@ def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: di
                                 pool: Optional[WorkerPool], started: float) -> tuple[dict, dict[str, float]]:
     """The conversion, and how long its phases took (planning, tasks, merging; a user's first question
     about a slow run is which of them it was)."""
-    from megarl.models.convert.torch_dist import (
-        ITERATION_DIR, PARTS_DIR, checkpoint_layout, mark_latest, merge_parts,
-    )
+    from megarl.checkpoint_files import mark_latest
+    from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR, checkpoint_layout, merge_parts
 
     layout = checkpoint_layout(bridge)
     locations = index_hf_safetensors(hf_dir)

@@ -39,10 +39,11 @@ from megarl.models import mcore_checkpoint as fmt
 from megarl.models.convert.execution import (
     OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks,
 )
-from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names, write_json_atomically
+from megarl.checkpoint_files import fsync_directory, write_json_atomically
+from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names
 from megarl.models.convert.placement import place_global_tensor
 from megarl.models.convert.safetensors_stream import (
-    FileBytes, PlannedTensor, StreamingSafetensorsWriter, TensorLocation, c_strides, fsync_directory,
+    FileBytes, PlannedTensor, StreamingSafetensorsWriter, TensorLocation, c_strides,
     read_safetensors_header, read_tensor,
 )
 from megarl.models.weight_mapping import TensorConverter

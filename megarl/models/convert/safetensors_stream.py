@@ -35,6 +35,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from megarl.checkpoint_files import publish
+
 DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -260,14 +262,6 @@ def _encode_header(tensors: list[PlannedTensor], metadata: Optional[dict[str, st
     return struct.pack("<Q", len(body)) + body
 
 
-def fsync_directory(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class StreamingSafetensorsWriter:
     """Write a planned safetensors file tensor by tensor; ``close()`` publishes it atomically.
 
@@ -329,10 +323,8 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{self.path}: closed with {len(self._plan) - self._next} planned tensors "
                              f"unwritten (first: {missing})")
         self._handle.flush()
-        os.fsync(self._handle.fileno())
         self._handle.close()
-        os.replace(self.tmp_path, self.path)
-        fsync_directory(os.path.dirname(self.path) or ".")
+        publish(self.tmp_path, self.path)
         return self.size, self.crc32
 
     def abort(self) -> None:

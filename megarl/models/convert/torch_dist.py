@@ -43,10 +43,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from megarl.checkpoint_files import RELEASE, TRACKER_FILE, tracked_iteration, write_atomically
 from megarl.models.convert.safetensors_stream import FileBytes, c_strides, map_bytes
 
 ITERATION_DIR = "iter_0000000"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's marker of the newest checkpoint
 PARTS_DIR = "parts"
 MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                      "common_backend": "torch", "common_backend_version": 1}
@@ -308,51 +308,18 @@ def merge_parts(iteration_dir: str, part_names: list[str], *, common: Optional[d
                 raise ValueError(f"{key}: its chunks cover {covered} of {math.prod(value.size)} elements: a part is "
                                  f"missing or damaged")
     merged = meta.Metadata(state_dict_metadata=state, storage_data=storage)
-    _write_atomic(os.path.join(iteration_dir, ".metadata"), pickle.dumps(merged))
+    write_atomically(os.path.join(iteration_dir, ".metadata"), pickle.dumps(merged))
     common_bytes = io.BytesIO()
     torch.save(common if common is not None else {"checkpoint_version": 3.0, "iteration": 0}, common_bytes)
-    _write_atomic(os.path.join(iteration_dir, "common.pt"), common_bytes.getvalue())
-    _write_atomic(os.path.join(iteration_dir, "metadata.json"), json.dumps(MEGATRON_METADATA).encode())
+    write_atomically(os.path.join(iteration_dir, "common.pt"), common_bytes.getvalue())
+    write_atomically(os.path.join(iteration_dir, "metadata.json"), json.dumps(MEGATRON_METADATA).encode())
     return {key: tuple(v.size) for key, v in state.items() if isinstance(v, meta.TensorStorageMetadata)}
 
 
-def mark_latest(checkpoint_dir: str, iteration: int = 0) -> None:
-    """Megatron-LM's tracker file: the checkpoint under ``checkpoint_dir`` is complete (written atomically)."""
-    _write_atomic(os.path.join(checkpoint_dir, TRACKER_FILE), f"{iteration}\n".encode())
-
-
-OLD_TRACKER_FILE = "latest"  # what megarl's engine checkpoints named their tracker before; still read
-RELEASE = -1  # tracked_iteration's answer for Megatron-LM's release/ directory
-
-
-def tracked_iteration(checkpoint_dir: str) -> Optional[int]:
-    """The iteration ``checkpoint_dir``'s tracker file names (:data:`RELEASE` for ``release``), or None when it
-    has none: no complete checkpoint there."""
-    for tracker in (TRACKER_FILE, OLD_TRACKER_FILE):
-        path = os.path.join(checkpoint_dir, tracker)
-        if not os.path.isfile(path):
-            continue
-        text = open(path).read().strip()
-        if text == "release":  # Megatron-LM's name for a converted checkpoint's only iteration
-            return RELEASE
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"{path}: expected an integer iteration or 'release', found {text!r}") from None
-    return None
 
 
 def iteration_dir_name(iteration: int) -> str:
     return "release" if iteration == RELEASE else f"iter_{iteration:07d}"
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    temporary = f"{path}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -23,7 +23,8 @@ import torch
 from megarl.models.convert.execution import KILL_AFTER_ENV, PROGRESS_FILE
 from megarl.models.convert.hf_index import index_hf_safetensors
 from megarl.models.convert.safetensors_stream import read_tensor
-from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR, TRACKER_FILE, TorchDistReader
+from megarl.checkpoint_files import TRACKER_FILE
+from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR, TorchDistReader
 from tests.distributed.converters import mcore_load_workers
 from tests.dist_harness import run_distributed
 from tests.distributed.models.bridge_workers import hf_logits, sample_tokens
