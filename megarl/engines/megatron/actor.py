@@ -17,17 +17,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
-from megarl.batch import TrainBatch, select_rows
-from megarl.engines.megatron.engine import (
-    MegatronEngine,
-    MicroBatching,
-    average_metrics,
-    check_mini_batches,
-    response_log_probs,
-)
+from megarl.batch import TrainBatch
+from megarl.engines.megatron.engine import MegatronEngine, MicroBatching, average_metrics, response_log_probs
 from megarl.engines.megatron.packing import restore_row_order
 
 
@@ -93,9 +85,6 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         if use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("update_policy: use_kl_loss=True needs batch.ref_log_probs")
         policy_loss = get_policy_loss(policy_loss_name)
-        rows = len(batch)
-        mini_batch_size = mini_batch_size or rows
-        num_mini = check_mini_batches(rows, mini_batch_size, self.fixed_micro_batch_size)
         norm_length = norm_length or batch.response_ids.shape[1]
         fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss else ())
         # rollout correction (megarl.algorithms.rollout_correction): importance weights on the policy loss, and
@@ -105,53 +94,50 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "pg_clipfrac_lower_wsum", "ppo_kl_wsum"]
         if use_kl_loss:
             names.append("kl_loss")
-        steps = []
-        for _ in range(ppo_epochs):
-            for index in range(num_mini):
-                mini = select_rows(batch, slice(index * mini_batch_size, (index + 1) * mini_batch_size))
-                loss_mask = mini.response_mask if mini.loss_mask is None else mini.loss_mask
-                num_tokens, num_seqs = self.global_counts(loss_mask.float())
-                counts = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length)
 
-                def loss(mb, output, counts=counts):
-                    log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
-                    mask = mb["loss_mask"] if mb.get("loss_mask") is not None else mb["response_mask"]
-                    if mb.get("loss_mask") is not None and not bool(mask.any()):
-                        # every token here was rejected: no loss, but a backward pass like its neighbours'
-                        zero = log_probs.sum() * 0.0
-                        return zero, {name: zero.detach() for name in names} | {"num_tokens": mask.sum()}
-                    pg_loss, pg_metrics = policy_loss(
-                        log_probs=log_probs, old_log_probs=mb["old_log_probs"], advantages=mb["advantages"],
-                        response_mask=mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
-                        clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-                        rollout_is_weights=mb.get("rollout_is_weights"), **counts,
-                    )
-                    entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
-                    total = pg_loss - entropy_coeff * entropy_share if entropy_coeff else pg_loss
-                    n_tok = mask.sum()
-                    reported = {
-                        "pg_loss": pg_loss.detach(), "entropy": entropy_share.detach(),
-                        "pg_clipfrac_wsum": n_tok * pg_metrics["pg_clipfrac"],
-                        "pg_clipfrac_lower_wsum": n_tok * pg_metrics["pg_clipfrac_lower"],
-                        "ppo_kl_wsum": n_tok * pg_metrics["ppo_kl"], "num_tokens": n_tok,
-                    }
-                    if use_kl_loss:
-                        kl = kl_penalty(log_probs, mb["ref_log_probs"], kl_loss_type)
-                        kl_share = aggregate_loss(kl, mask, loss_agg_mode, **counts)
-                        total = total + kl_loss_coef * kl_share
-                        reported["kl_loss"] = kl_share.detach()
-                    reported["loss"] = total.detach()
-                    return total, reported
+        def make_loss(num_tokens, num_seqs):
+            counts = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length)
 
-                self.zero_grad()
-                micro_batches = self.make_micro_batches(mini, fields)
-                reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
-                metrics = self.reduce_step_metrics(reported, names)
-                metrics.update(self.optimizer_step())
-                metrics["loss_tokens"] = num_tokens
-                steps.append(metrics)
-        self.advance_lr_schedule()
-        result = average_metrics(steps)
+            def loss(mb, output):
+                log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
+                mask = mb["loss_mask"] if mb.get("loss_mask") is not None else mb["response_mask"]
+                if mb.get("loss_mask") is not None and not bool(mask.any()):
+                    # every token here was rejected: no loss, but a backward pass like its neighbours'
+                    zero = log_probs.sum() * 0.0
+                    return zero, {name: zero.detach() for name in names} | {"num_tokens": mask.sum()}
+                pg_loss, pg_metrics = policy_loss(
+                    log_probs=log_probs, old_log_probs=mb["old_log_probs"], advantages=mb["advantages"],
+                    response_mask=mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
+                    clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
+                    rollout_is_weights=mb.get("rollout_is_weights"), **counts,
+                )
+                entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
+                total = pg_loss - entropy_coeff * entropy_share if entropy_coeff else pg_loss
+                n_tok = mask.sum()
+                reported = {
+                    "pg_loss": pg_loss.detach(), "entropy": entropy_share.detach(),
+                    "pg_clipfrac_wsum": n_tok * pg_metrics["pg_clipfrac"],
+                    "pg_clipfrac_lower_wsum": n_tok * pg_metrics["pg_clipfrac_lower"],
+                    "ppo_kl_wsum": n_tok * pg_metrics["ppo_kl"], "num_tokens": n_tok,
+                }
+                if use_kl_loss:
+                    kl = kl_penalty(log_probs, mb["ref_log_probs"], kl_loss_type)
+                    kl_share = aggregate_loss(kl, mask, loss_agg_mode, **counts)
+                    total = total + kl_loss_coef * kl_share
+                    reported["kl_loss"] = kl_share.detach()
+                reported["loss"] = total.detach()
+                return total, reported
+            return loss
+
+        steps = self.train_epochs(
+            batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
+            counted_mask=lambda mini: mini.response_mask if mini.loss_mask is None else mini.loss_mask,
+            fields=lambda mini: fields, make_loss=make_loss, names=names)
         # the tokens the loss counted over the whole batch (all DP ranks) in one epoch: what the loss mask let in
-        result["loss_tokens"] = float(sum(step["loss_tokens"] for step in steps[:num_mini]))
+        per_epoch = len(steps) // ppo_epochs
+        loss_tokens = float(sum(step["num_tokens"] for step in steps[:per_epoch]))
+        for step in steps:
+            step["loss_tokens"] = step.pop("num_tokens")
+        result = average_metrics(steps)
+        result["loss_tokens"] = loss_tokens
         return result

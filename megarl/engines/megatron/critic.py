@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 
 from megarl.algorithms import compute_value_loss
-from megarl.batch import TrainBatch, select_rows
-from megarl.engines.megatron.engine import MegatronEngine, average_metrics, check_mini_batches, whole_sequence
+from megarl.batch import TrainBatch
+from megarl.engines.megatron.engine import MegatronEngine, average_metrics, whole_sequence
 from megarl.engines.megatron.packing import response_positions_of, restore_row_order, scatter_to_rows
 
 _HEAD_SEED = 20240601
@@ -92,39 +92,31 @@ class CriticEngine(MegatronEngine):
         for name in ("values", "returns"):
             if getattr(batch, name) is None:
                 raise ValueError(f"update_critic: batch.{name} is required")
-        rows = len(batch)
-        mini_batch_size = mini_batch_size or rows
-        num_mini = check_mini_batches(rows, mini_batch_size, self.fixed_micro_batch_size)
         norm_length = norm_length or batch.response_ids.shape[1]
         names = ["vf_loss", "vf_clipfrac_wsum", "vpred_mean_wsum"]
-        steps = []
-        for _ in range(ppo_epochs):
-            for index in range(num_mini):
-                mini = select_rows(batch, slice(index * mini_batch_size, (index + 1) * mini_batch_size))
-                # multi-turn: values are fitted on the tokens the policy generated, not on tool results
-                value_mask = mini.policy_mask
-                num_tokens, num_seqs = self.global_counts(value_mask.float())
 
-                def loss(mb, output, num_tokens=num_tokens, num_seqs=num_seqs):
-                    mask = mb["generated_mask"] if mb.get("generated_mask") is not None else mb["response_mask"]
-                    vf_loss, vf_metrics = compute_value_loss(
-                        values=self._response_values(output, mb), old_values=mb["values"], returns=mb["returns"],
-                        response_mask=mask, cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
-                        global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length,
-                    )
-                    n_tok = mask.sum()
-                    return vf_loss, {
-                        "vf_loss": vf_loss.detach(), "num_tokens": n_tok,
-                        "vf_clipfrac_wsum": n_tok * vf_metrics["vf_clipfrac"],
-                        "vpred_mean_wsum": n_tok * vf_metrics["vpred_mean"],
-                    }
+        def make_loss(num_tokens, num_seqs):
+            def loss(mb, output):
+                mask = mb["generated_mask"] if mb.get("generated_mask") is not None else mb["response_mask"]
+                vf_loss, vf_metrics = compute_value_loss(
+                    values=self._response_values(output, mb), old_values=mb["values"], returns=mb["returns"],
+                    response_mask=mask, cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode,
+                    global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length,
+                )
+                n_tok = mask.sum()
+                return vf_loss, {
+                    "vf_loss": vf_loss.detach(), "num_tokens": n_tok,
+                    "vf_clipfrac_wsum": n_tok * vf_metrics["vf_clipfrac"],
+                    "vpred_mean_wsum": n_tok * vf_metrics["vpred_mean"],
+                }
+            return loss
 
-                self.zero_grad()
-                fields = ("values", "returns") + (("generated_mask",) if mini.generated_mask is not None else ())
-                micro_batches = self.make_micro_batches(mini, fields)
-                reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=False)
-                metrics = self.reduce_step_metrics(reported, names)
-                metrics.update(self.optimizer_step())
-                steps.append(metrics)
-        self.advance_lr_schedule()
+        steps = self.train_epochs(
+            batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
+            # multi-turn: values are fitted on the tokens the policy generated, not on tool results
+            counted_mask=lambda mini: mini.policy_mask,
+            fields=lambda mini: ("values", "returns") + (("generated_mask",) if mini.generated_mask is not None else ()),
+            make_loss=make_loss, names=names)
+        for step in steps:
+            del step["num_tokens"]
         return average_metrics(steps)

@@ -9,6 +9,8 @@
   ``OptimizerParamScheduler`` (warmup, constant/linear/cosine decay, min lr) from ``LRScheduleConfig``;
 * :meth:`MegatronEngine.make_micro_batches`: a ``TrainBatch`` shard as micro-batches, padded rows or
   packed ``thd`` streams (optionally grouped by a token budget, :class:`MicroBatching`);
+* :meth:`MegatronEngine.train_epochs`: the PPO epoch x mini-batch loop the actor and the critic share (one
+  optimizer step per mini-batch, the loss normalised by a role-chosen token count over DP);
 * :meth:`MegatronEngine.run_micro_batches`: those micro-batches driven by ``get_forward_backward_func()``
   with megatron's ``forward_step_func(data_iterator, model) -> (output, loss_func)`` contract, for any
   PP/VPP (with VPP the micro-batch count must suit megatron's interleaved grouping, by default a multiple
@@ -47,7 +49,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from megarl.batch import TrainBatch
+from megarl.batch import TrainBatch, select_rows
 from megarl.models.cpu_compat import cuda_tensors_on_cpu
 from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
 from megarl.engines.megatron.packing import (
@@ -421,6 +423,33 @@ class MegatronEngine:
                 f"micro-batch(es) of micro_batch_size={micro_batch_size} rows: use at least {group} "
                 f"micro-batches per step, a multiple of {group} (or leaving a remainder >= {pp})"
             )
+
+    def train_epochs(self, batch: TrainBatch, *, ppo_epochs: int, mini_batch_size: Optional[int],
+                     counted_mask: Callable[[TrainBatch], torch.Tensor], fields: Callable[[TrainBatch], tuple],
+                     make_loss: Callable[[float, float], MicroBatchLoss], names: list[str]) -> list[dict[str, float]]:
+        """The PPO loop every trainable role runs: ``ppo_epochs`` x mini-batches of ``mini_batch_size`` local rows
+        (default: the whole shard), one optimizer step each, the LR schedule advanced once at the end. Per
+        mini-batch: the tokens and sequences of ``counted_mask(mini)`` summed over DP (the loss's normaliser,
+        handed to ``make_loss(num_tokens, num_seqs)``), the micro-batches with ``fields(mini)`` riding along, and
+        the reported ``names`` reduced. Returns each step's metrics (with ``num_tokens``, the step's count)."""
+        rows = len(batch)
+        mini_batch_size = mini_batch_size or rows
+        num_mini = check_mini_batches(rows, mini_batch_size, self.fixed_micro_batch_size)
+        steps = []
+        for _ in range(ppo_epochs):
+            for index in range(num_mini):
+                mini = select_rows(batch, slice(index * mini_batch_size, (index + 1) * mini_batch_size))
+                num_tokens, num_seqs = self.global_counts(counted_mask(mini).float())
+                self.zero_grad()
+                micro_batches = self.make_micro_batches(mini, fields(mini))
+                reported = self.run_micro_batches(micro_batches, loss=make_loss(num_tokens, num_seqs),
+                                                  forward_only=False)
+                metrics = self.reduce_step_metrics(reported, names)
+                metrics.update(self.optimizer_step())
+                metrics["num_tokens"] = num_tokens
+                steps.append(metrics)
+        self.advance_lr_schedule()
+        return steps
 
     def zero_grad(self) -> None:
         for chunk in self.model:

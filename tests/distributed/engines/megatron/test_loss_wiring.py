@@ -112,12 +112,10 @@ _FIELD_NAMES = {f.name for f in dataclasses.fields(TrainBatch)}
 
 
 def _record_reads(update, batch: TrainBatch) -> list[str]:
-    import megarl.engines.megatron.actor as actor_module
-    import megarl.engines.megatron.critic as critic_module
+    import megarl.engines.megatron.engine as engine_module  # the shared epoch x mini-batch loop selects the rows
 
-    for module in (actor_module, critic_module):
-        if not getattr(module.select_rows, "unrecorded", False):
-            module.select_rows = _select_rows_unrecorded(module.select_rows)
+    if not getattr(engine_module.select_rows, "unrecorded", False):
+        engine_module.select_rows = _select_rows_unrecorded(engine_module.select_rows)
     _RecordingBatch.read = set()
     update(_RecordingBatch(**{f: getattr(batch, f) for f in _FIELD_NAMES}))
     return sorted(_RecordingBatch.read)
