@@ -63,6 +63,13 @@ def test_deepseek_recipe_fits_its_cluster(capsys):
     assert "layers per stage=[3, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 2]" in out
 
 
-def test_embedded_model_path_is_refused():
-    with pytest.raises(SystemExit, match="embedded test model"):
-        main(["--config", str(REPO / "configs" / "grpo_tiny.yaml")])
+def test_embedded_model_path_plans_its_built_model(capsys):
+    # the demo recipes plan as written (issue 37): the embedded model's directory holds its config.json
+    assert main(["--config", str(REPO / "configs" / "grpo_tiny.yaml")]) == 0
+    assert "FITS" in capsys.readouterr().out
+
+
+def test_a_model_path_with_no_config_and_no_shipped_twin_names_the_shipped_configs(tmp_path):
+    with pytest.raises(SystemExit, match=r"no HF config.json at .*MyModel-1B.*qwen2_5_7b_instruct"):
+        main(["--config", str(REPO / "configs" / "grpo_tiny.yaml"),
+              f"actor_rollout_ref.model.path={tmp_path / 'MyModel-1B'}"])

@@ -82,8 +82,10 @@ actor_rollout_ref:
     megatron:
       tensor_model_parallel_size: 2
       use_distributed_optimizer: false
+      params_dtype: float32  # fp32 on CPU (the production default is bfloat16)
   rollout:
     name: hf
+    dtype: float32
     n: 2
     log_prob_micro_batch_size_per_gpu: 8
 trainer:
