@@ -79,3 +79,22 @@ def test_zero_b_adapter_is_the_base_model(vllm_engine, tiny_qwen2_dir):
 def test_adapter_rank_above_the_engines_is_refused(vllm_engine):
     with pytest.raises(ValueError, match="rank 16 > lora_rank 8"):
         vllm_engine.load_adapter(random_adapter(4), {**CONFIG, "r": 16})
+
+
+def test_the_exported_peft_directory_is_what_vllm_loads_from_disk(vllm_engine, tmp_path):
+    """megarl's PEFT export (save_peft_adapter) read by vLLM's own loader, by path, gives what the in-memory
+    hand-over gives."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    from megarl.weight_sync.adapters import save_peft_adapter
+
+    adapter = random_adapter(5)
+    save_peft_adapter(adapter, dict(CONFIG), tmp_path / "adapter")
+    vllm_engine.load_adapter(adapter, CONFIG)
+    served = vllm_engine.generate(PROMPTS, GREEDY)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0, ignore_eos=True)
+    from_disk = vllm_engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False,
+                                         lora_request=LoRARequest("from-disk", 7, str(tmp_path / "adapter")))
+    assert [list(r.outputs[0].token_ids) for r in from_disk] == [o.token_ids for o in served]
