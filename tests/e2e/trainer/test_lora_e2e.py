@@ -31,13 +31,22 @@ def _run(cfg):
     return run(cfg)
 
 
+PPO_LORA = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            "critic.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_coef=0.1", "critic.model.lora.rank=8", "trainer.save_freq=2",
+            "trainer.save_hf=true")
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+    """Two steps of PPO with a LoRA actor and a LoRA critic at TP=2, checkpointed with the HF exports."""
+    out = tmp_path_factory.mktemp("lora_ppo")
+    return out, _run(_config(out, "trainer.total_training_steps=2", *PPO_LORA, recipe="ppo_tiny.yaml"))
+
+
 @pytest.mark.timeout(600)
-def test_lora_ppo_merged_sync_kl_to_the_base_critic_lora_checkpoint_and_resume(tmp_path):
-    common = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-              "critic.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
-              "actor_rollout_ref.actor.kl_loss_coef=0.1", "critic.model.lora.rank=8", "trainer.save_freq=2",
-              "trainer.save_hf=true")
-    history = _run(_config(tmp_path, "trainer.total_training_steps=2", *common, recipe="ppo_tiny.yaml"))
+def test_lora_ppo_merged_sync_kl_to_the_base_critic_lora_checkpoint_and_resume(ppo_run):
+    tmp_path, history = ppo_run
     assert [h["step"] for h in history] == [1, 2]
     for h in history:
         assert h["rollout/log_prob_diff_max"] < 1e-4, (h["step"], h["rollout/log_prob_diff_max"])
@@ -54,7 +63,7 @@ def test_lora_ppo_merged_sync_kl_to_the_base_critic_lora_checkpoint_and_resume(t
     actor_bytes = sum(f.stat().st_size for f in (step_dir / "actor").rglob("*") if f.is_file())
     merged_bytes = sum(f.stat().st_size for f in (step_dir / "actor_hf").rglob("*.safetensors"))
     assert actor_bytes < merged_bytes / 2  # the checkpoint holds the adapters (and their Adam state), not the base
-    resumed = _run(_config(tmp_path, "trainer.total_training_steps=3", *common, recipe="ppo_tiny.yaml"))
+    resumed = _run(_config(tmp_path, "trainer.total_training_steps=3", *PPO_LORA, recipe="ppo_tiny.yaml"))
     assert [h["step"] for h in resumed] == [3]
     assert resumed[0]["rollout/log_prob_diff_max"] < 1e-4  # the resumed adapters reached the rollout engine
 
@@ -76,18 +85,14 @@ def test_vllm_serves_the_adapter_and_follows_the_trainer(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_run_starts_from_an_exported_peft_adapter(tmp_path):
-    """verl's ``lora_adapter_path``: a new run starts from the adapter another run exported; its first rollout is
-    already the adapted policy (KL to the base from the first mini-batch on, the rollout matching the trainer)."""
-    first = tmp_path / "first"
-    _run(_config(first, "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.save_hf=true"))
-    adapter = first / "checkpoints" / "global_step_2" / "actor_hf_adapter"
-    common = ("trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=true",
-              "actor_rollout_ref.actor.ppo_mini_batch_size=16")  # one optimizer step: KL before any update
-    fresh = _run(_config(tmp_path / "fresh", *common))
-    started = _run(_config(tmp_path / "started", *common, "actor_rollout_ref.model.lora.rank=0",
-                           "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-                           f"actor_rollout_ref.model.lora_adapter_path={adapter}"))
-    assert fresh[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-9)  # B = 0: the policy is the base
+def test_a_run_starts_from_an_exported_peft_adapter(ppo_run, tmp_path):
+    """verl's ``lora_adapter_path``: a new run (another layout: TP=1) starts from the adapter the PPO run exported;
+    its first rollout is already the adapted policy (KL to the base before any update, the rollout matching the
+    trainer). Without the adapter loaded that KL is exactly 0 (B = 0 is the base: docs/wiring_mutations.md, 13)."""
+    adapter = ppo_run[0] / "checkpoints" / "global_step_2" / "actor_hf_adapter"
+    started = _run(_config(tmp_path / "started", "trainer.total_training_steps=1", "actor_rollout_ref.actor.use_kl_loss=true",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=16",  # one optimizer step: KL before any update
+                           "actor_rollout_ref.model.lora.rank=0", "actor_rollout_ref.model.lora_rank=8",
+                           "actor_rollout_ref.model.lora_alpha=16", f"actor_rollout_ref.model.lora_adapter_path={adapter}"))
     assert started[0]["actor/kl_loss"] > 1e-4  # the exported adapter, loaded: not the base
     assert started[0]["rollout/log_prob_diff_max"] < 1e-4  # and the rollout engine generated with it
