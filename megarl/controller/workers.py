@@ -28,10 +28,10 @@ from typing import Optional
 import torch
 
 from megarl.batch import TrainBatch
+from megarl.config.lora import block_lora, model_lora
 from megarl.config.schema import MegarlConfig
 from megarl.controller.device_residency import DeviceResidency, OffloadPolicy
 from megarl.controller.dispatch import Collect, Dispatch, register
-from megarl.config.lora import block_lora, model_lora
 from megarl.controller.engine_specs import (DTYPES, actor_update_arguments, critic_update_arguments, ddp_config,
                                             lora_serving, lora_spec, lr_schedule, megatron_optimizer_config)
 from megarl.controller.fault_injection import kill_point
