@@ -236,21 +236,9 @@ def derived_experiment_name(tree: dict) -> str:
 
 def given_keys(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> set[str]:
     """The dotted keys a YAML file and command-line overrides set (not the schema's defaults)."""
-    keys: set[str] = set()
-
-    def walk(node, prefix):
-        if isinstance(node, dict) and node:
-            for key, value in node.items():
-                walk(value, f"{prefix}{key}.")
-        else:
-            keys.add(prefix[:-1])
-
-    if path is not None:
-        walk(load_yaml_mapping(path), "")
-    for text in overrides:
-        parts, value = parse_override(text)
-        walk(_nest(parts, value), "")
-    return keys
+    mappings = [load_yaml_mapping(path)] if path is not None else []
+    mappings += [_nest(*parse_override(text)) for text in overrides]
+    return {leaf for mapping in mappings for name, value in mapping.items() for leaf in _leaf_keys(value, str(name))}
 
 
 def read_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()) -> MegarlConfig:

@@ -158,7 +158,7 @@ class ActorRolloutRefWorker(MegatronRole):
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def sync_weights(self) -> dict:
-        from megarl.weight_sync import ColocatedTransport, DiscardTransport, sync_weights
+        from megarl.weight_sync import ColocatedTransport, DiscardTransport
 
         self.residency.for_weight_sync()
         if self.rollout is not None:
@@ -171,32 +171,32 @@ class ActorRolloutRefWorker(MegatronRole):
                 transport = ObjectStoreTransport(self.rollout_peers, timeout_s)
         else:  # the other ranks take part in the gather collectives only
             transport = DiscardTransport()
-        if self.serve_adapter:
-            return self._sync_adapter(transport)
         with self.memory_peaks.track("weight_sync"):
-            stats = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
-                                 dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
-        return {**stats.as_metrics(), **self.memory_peaks.as_metrics()}
+            metrics = self._sync_adapter(transport) if self.serve_adapter else self._send_model(transport).as_metrics()
+        return {**metrics, **self.memory_peaks.as_metrics()}
+
+    def _send_model(self, transport, dtype: Optional[torch.dtype] = None):
+        """The whole model as HF tensors through ``transport`` (collective), in ``dtype`` (default: the rollout's)."""
+        from megarl.weight_sync import sync_weights
+
+        return sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
+                            dtype=dtype or self.rollout_dtype, num_local_experts=self._num_local_experts())
 
     def _sync_adapter(self, transport) -> dict:
         """LoRA served by the rollout engine: the base once (adapters off), then only the adapter per sync."""
         from megarl.models.lora import adapters_disabled
-        from megarl.weight_sync import sync_weights
         from megarl.weight_sync.adapters import peft_adapter_config
         from megarl.weight_sync.sync import sync_adapter
 
         metrics = {}
-        with self.memory_peaks.track("weight_sync"):
-            if not self._rollout_has_base:
-                with adapters_disabled(self.actor.model):
-                    base = sync_weights(self.actor.model, self.bridge, transport, bucket_bytes=self.bucket_bytes,
-                                        dtype=self.rollout_dtype, num_local_experts=self._num_local_experts())
-                metrics.update(base.as_metrics("weight_sync_base"))
-                self._rollout_has_base = True
-            stats = sync_adapter(self.actor.model, self.bridge, self.rollout,
-                                 lambda named: peft_adapter_config(self.lora, named), dtype=self.rollout_dtype,
-                                 num_local_experts=self._num_local_experts())
-        return {**metrics, **stats.as_metrics(), **self.memory_peaks.as_metrics()}
+        if not self._rollout_has_base:
+            with adapters_disabled(self.actor.model):
+                metrics = self._send_model(transport).as_metrics("weight_sync_base")
+            self._rollout_has_base = True
+        stats = sync_adapter(self.actor.model, self.bridge, self.rollout,
+                             lambda named: peft_adapter_config(self.lora, named), dtype=self.rollout_dtype,
+                             num_local_experts=self._num_local_experts())
+        return {**metrics, **stats.as_metrics()}
 
     # ---------------------------------------------------------------- training
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
@@ -259,7 +259,7 @@ class ActorRolloutRefWorker(MegatronRole):
         """The actor as a Hugging Face checkpoint in ``out_dir``, in its parameters' dtype: every rank takes
         part in the gather, rank 0 writes."""
         from megarl.models.embedded import resolve_model_path
-        from megarl.weight_sync import DiscardTransport, sync_weights
+        from megarl.weight_sync import DiscardTransport
         from megarl.weight_sync.hf_writer import HFCheckpointWriter
 
         self.residency.for_training(weight_sync_follows=False)
@@ -267,8 +267,7 @@ class ActorRolloutRefWorker(MegatronRole):
         writer = (HFCheckpointWriter(out_dir, source_dir=self.model_path,
                                      tokenizer_dir=str(resolve_model_path(tokenizer)) if tokenizer else None)
                   if self.rank_info.rank == 0 else DiscardTransport())
-        return sync_weights(self.actor.model, self.bridge, writer, bucket_bytes=self.bucket_bytes,
-                            dtype=self.params_dtype, num_local_experts=self._num_local_experts()).as_metrics("hf_export")
+        return self._send_model(writer, self.params_dtype).as_metrics("hf_export")
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def save_hf_adapter(self, out_dir: str) -> dict:

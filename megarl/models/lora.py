@@ -228,10 +228,6 @@ def iter_adapters(model_chunks) -> Iterator[tuple[int, str, torch.nn.Module]]:
                 yield index, name, module
 
 
-def has_adapters(model_chunks) -> bool:
-    return next(iter_adapters(model_chunks), None) is not None
-
-
 @contextlib.contextmanager
 def adapters_disabled(model_chunks) -> Iterator[None]:
     """The base model: every adapter off inside the block (the reference policy of a LoRA actor)."""

@@ -11,6 +11,7 @@ from typing import Optional
 from megarl.models.parallel_layout import ParallelLayout
 from megarl.plan.layout import LayoutSpec, TrainingSpec
 
+REFERENCE_CONFIGS = Path(__file__).resolve().parents[1] / "models" / "reference_configs"
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp8": 1}
 
 
@@ -19,9 +20,9 @@ def read_hf_config(path: str | Path) -> dict:
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        references = Path(__file__).resolve().parents[1] / "models" / "reference_configs"
-        names = ", ".join(sorted(p.name for p in references.iterdir() if (p / "config.json").is_file()))
-        shown = references.relative_to(Path.cwd()) if references.is_relative_to(Path.cwd()) else references
+        names = ", ".join(sorted(p.name for p in REFERENCE_CONFIGS.iterdir() if (p / "config.json").is_file()))
+        shown = (REFERENCE_CONFIGS.relative_to(Path.cwd()) if REFERENCE_CONFIGS.is_relative_to(Path.cwd())
+                 else REFERENCE_CONFIGS)
         raise SystemExit(f"megarl.plan: no HF config.json at {file} (the model path must be an HF model directory; "
                          f"to plan without the weights, give actor_rollout_ref.model.path={shown}/<name>, <name> one "
                          f"of: {names})")
@@ -29,9 +30,6 @@ def read_hf_config(path: str | Path) -> dict:
         return json.loads(file.read_text())
     except json.JSONDecodeError as exc:
         raise SystemExit(f"megarl.plan: {file} is not valid JSON: {exc}") from exc
-
-
-REFERENCE_CONFIGS = Path(__file__).resolve().parents[1] / "models" / "reference_configs"
 
 
 def planning_config_dir(model_path: str) -> tuple[Path, Optional[str]]:

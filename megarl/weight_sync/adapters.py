@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.lora import LoRASpec, iter_adapters
-from megarl.weight_sync.gather import _all_gather, _Groups, _layer_offset
+from megarl.weight_sync.gather import _all_gather, _Groups, _layer_offset, local_experts
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -78,9 +78,7 @@ def gather_peft_adapter(model_chunks, bridge, *, num_local_experts: Optional[int
                         dtype: Optional[torch.dtype] = None) -> NamedTensors:
     """Every adapter tensor of the replica in PEFT names, on every rank of it (collective)."""
     g = _Groups()
-    if num_local_experts is None:
-        total = getattr(bridge.dims, "num_experts", 0) or 0
-        num_local_experts = max(total // g.ep_size, 1) if total else 1
+    num_local_experts = local_experts(bridge, g, num_local_experts)
     with torch.no_grad():
         named = _stage_adapter(bridge, model_chunks, g, num_local_experts)
         if g.pp_size > 1:  # small: every stage's tensors to every stage as host objects
@@ -136,7 +134,7 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, dict[str, t
 def load_peft_adapter(model_chunks, bridge, adapter_dir: str | os.PathLike, spec: LoRASpec, *,
                       num_local_experts: Optional[int] = None) -> int:
     """Set this rank's adapter shards from a PEFT adapter directory; returns the adapters filled. The adapter's
-    rank and alpha must be the run's, and it must cover exactly the adapted modules."""
+    rank and alpha must be the run's, and it must cover every module the run adapts (others in it are not read)."""
     from megatron.core import parallel_state as mpu
 
     config, tensors = read_peft_adapter(adapter_dir)
@@ -144,16 +142,12 @@ def load_peft_adapter(model_chunks, bridge, adapter_dir: str | os.PathLike, spec
         raise ValueError(f"LoRA adapter_path {adapter_dir}: r={config.get('r')}, lora_alpha={config.get('lora_alpha')}; "
                          f"the run's lora is rank={spec.rank}, alpha={spec.alpha}")
     g = _Groups()
-    if num_local_experts is None:
-        total = getattr(bridge.dims, "num_experts", 0) or 0
-        num_local_experts = max(total // g.ep_size, 1) if total else 1
-    used: set[str] = set()
+    num_local_experts = local_experts(bridge, g, num_local_experts)
     filled = 0
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
             raise KeyError(f"LoRA adapter_path {adapter_dir} has no {name} (the run adapts that module)")
-        used.add(name)
         return tensors[name]
 
     tp_rank, tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()

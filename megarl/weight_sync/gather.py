@@ -71,6 +71,14 @@ class _Groups:
         self.vpp = vpp if vpp and vpp > 1 else None
 
 
+def local_experts(bridge, g: _Groups, given: Optional[int] = None) -> int:
+    """Experts per EP rank: ``given``, else the model's experts over the EP size (1 for a dense model)."""
+    if given is not None:
+        return given
+    total = getattr(bridge.dims, "num_experts", 0) or 0
+    return max(total // g.ep_size, 1) if total else 1
+
+
 def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     if size == 1:
         return [tensor]
@@ -142,10 +150,9 @@ def iter_hf_tensors(
     yielded tensors (e.g. to the rollout engine's dtype).
     """
     g = _Groups()
-    if num_local_experts is None:
-        total = getattr(bridge.dims, "num_experts", 0) or 0
-        num_local_experts = max(total // g.ep_size, 1) if total else 1
+    num_local_experts = local_experts(bridge, g, num_local_experts)
     mine = _describe_stage(bridge, model_chunks, g, num_local_experts)
+    adapted = {(index, name): module for index, name, module in iter_adapters(model_chunks)}
     for stage in range(g.pp_size):
         if g.pp_size > 1:
             holder = [mine if stage == g.pp_rank else None]
@@ -156,7 +163,6 @@ def iter_hf_tensors(
         local_by_chunk = (
             [dict(_local_tensors(chunk)) for chunk in model_chunks] if stage == g.pp_rank else None
         )
-        adapted = {(index, name): module for index, name, module in iter_adapters(model_chunks)}
         for entry in entries:
             if stage == g.pp_rank:
                 local = local_by_chunk[entry.chunk][entry.local_name]

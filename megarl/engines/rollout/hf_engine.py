@@ -214,9 +214,7 @@ class HFRolloutEngine(RolloutEngine):
             raise RuntimeError("HFRolloutEngine.update_weights called while asleep; call wake_up() first")
         self._update_open = True
         for name, tensor in named_tensors:
-            param = self._params_by_name.get(name)
-            if param is None:
-                param = self._fused_expert_slice(name)
+            param = self._find_weight(name)
             if param is None:
                 raise KeyError(f"HFRolloutEngine.update_weights: unknown parameter name {name!r}")
             if tuple(tensor.shape) != tuple(param.shape):
@@ -241,21 +239,21 @@ class HFRolloutEngine(RolloutEngine):
             factors.setdefault(f"{match.group(1)}.weight", {})[match.group(2)] = tensor
         for name, base in self._adapter_base.items():
             if name not in factors:
-                self._weight(name).copy_(base)
+                self._find_weight(name).copy_(base)
         for name, pair in factors.items():
             if set(pair) != {"A", "B"}:
                 raise ValueError(f"HFRolloutEngine.load_adapter: {name} has lora_{''.join(pair)} only")
-            param = self._weight(name)
+            param = self._find_weight(name)
+            if param is None:
+                raise KeyError(f"HFRolloutEngine.load_adapter: the model has no weight {name!r}")
             base = self._adapter_base.setdefault(name, param.detach().clone())
             update = pair["B"].to(param.device, torch.float32) @ pair["A"].to(param.device, torch.float32)
             param.copy_((base.float() + scale * update).to(param.dtype))
 
-    def _weight(self, name: str) -> torch.Tensor:
+    def _find_weight(self, name: str):
+        """The parameter (or fused-expert view) a checkpoint tensor named ``name`` fills; None when none does."""
         param = self._params_by_name.get(name)
-        param = self._fused_expert_slice(name) if param is None else param
-        if param is None:
-            raise KeyError(f"HFRolloutEngine: the model has no weight {name!r}")
-        return param
+        return self._fused_expert_slice(name) if param is None else param
 
     def _fused_expert_slice(self, name: str):
         """The view of a fused expert parameter that a per-expert checkpoint tensor fills, or None.

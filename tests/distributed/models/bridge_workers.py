@@ -13,6 +13,14 @@ import time
 import torch
 
 
+# (architecture, layout) pairs a two-rank weight-sync test covers: TP split, pipeline stages, expert parallelism
+TWO_RANK_LAYOUTS = [
+    ("qwen2", dict(tensor_parallel=2)),
+    ("llama", dict(pipeline_parallel=2)),
+    ("qwen3_moe", dict(expert_parallel=2)),
+]
+
+
 def sample_tokens(vocab_size: int, batch: int = 2, seq: int = 12, seed: int = 3) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (batch, seq), generator=generator)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.distributed.models.bridge_workers import build_chunks, forward_logits, sample_tokens
+from tests.distributed.models.bridge_workers import TWO_RANK_LAYOUTS, build_chunks, forward_logits, sample_tokens
 
 BUCKET_BYTES = 64 * 1024
 
@@ -88,11 +88,7 @@ def _world(rank, hf_dir, layout_kwargs, out_dir):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("arch, layout", [
-    ("qwen2", dict(tensor_parallel=2)),
-    ("llama", dict(pipeline_parallel=2)),
-    ("qwen3_moe", dict(expert_parallel=2)),
-])
+@pytest.mark.parametrize("arch, layout", TWO_RANK_LAYOUTS)
 def test_merged_and_served_adapters_give_the_trainers_logits(tmp_path, arch, layout):
     from megarl.models.tiny import save_tiny_hf_checkpoint
     from tests.distributed.models.bridge_workers import hf_logits

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.dist_harness import run_distributed
-from tests.distributed.models.bridge_workers import build_chunks, forward_logits, hf_logits, sample_tokens
+from tests.distributed.models.bridge_workers import (TWO_RANK_LAYOUTS, build_chunks, forward_logits, hf_logits,
+                                                     sample_tokens)
 
 BUCKET_BYTES = 16 * 1024
 
@@ -51,11 +52,7 @@ def _sync_world(rank, hf_dir, layout_kwargs):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("arch, layout", [
-    ("qwen2", dict(tensor_parallel=2)),
-    ("llama", dict(pipeline_parallel=2)),
-    ("qwen3_moe", dict(expert_parallel=2)),
-])
+@pytest.mark.parametrize("arch, layout", TWO_RANK_LAYOUTS)
 def test_rollout_logits_equal_trainer_logits_after_sync(tmp_path, arch, layout):
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
