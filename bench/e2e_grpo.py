@@ -130,7 +130,8 @@ def generate_alone(args, work: Path) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=tokenizer(t)["input_ids"]) for t in texts]
     llm = LLM(model=str(work / "model"), tokenizer=str(work / "tok"), dtype="bfloat16",
               gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=args.prompt_len + args.response_len, seed=0)
+              max_model_len=args.prompt_len + args.response_len, seed=0,
+              load_format="dummy" if args.random_init else "auto")  # --random-init wrote no weights
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_len, ignore_eos=True, logprobs=0,
                             detokenize=False)
     llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up

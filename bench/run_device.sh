@@ -3,7 +3,8 @@
 #   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|lora
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
-# (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host)
+# (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host;
+#  GEN_ALONE=1 (big, lora, e2e) adds plain vLLM's generation of the same prompts after the run)
 # (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
 #  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
@@ -88,7 +89,7 @@ elif [ "$MODE" = big ]; then  # GRPO at $MODELS (default 7b) on one GPU, random 
   for model in $(echo "${MODELS:-7b}" | tr , ' '); do
     step "e2e_$model" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" --random-init \
       --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
-      --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" \
+      --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" ${GEN_ALONE:+--gen-alone} \
       --out "$OUT/e2e_$model.json" $O.megatron.recompute_granularity=full $O.megatron.grad_offload=true \
       $O.megatron.use_distributed_optimizer=true \
       $O.megatron.override_ddp_config.grad_reduce_in_fp32=$FP32_GRADS \
@@ -109,7 +110,7 @@ elif [ "$MODE" = lora ]; then  # LoRA GRPO at $MODELS (default: 14b on an 80 GB 
     step "e2e_lora_${model}_merge_${MERGE:-true}" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" \
       --random-init --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" \
       --response-len "${RESPONSE_LEN:-512}" --steps "${STEPS:-3}" --token-budget "${BUDGET:-8192}" \
-      --gpu-memory-utilization "$UTIL" --out "$OUT/e2e_lora_${model}_merge_${MERGE:-true}.json" \
+      --gpu-memory-utilization "$UTIL" ${GEN_ALONE:+--gen-alone} --out "$OUT/e2e_lora_${model}_merge_${MERGE:-true}.json" \
       $M.lora.rank=${RANK:-32} $M.lora.alpha=${ALPHA:-64} $M.lora.merge=${MERGE:-true} \
       $O.megatron.param_offload=true $O.megatron.recompute_granularity=full \
       $O.megatron.use_distributed_optimizer=true ${EXTRA:-}
