@@ -1,8 +1,9 @@
 """Separate-placement weight transports: broadcast over a weight group vs Ray's object store.
 
 The driver plays training rank 0 and sends ``--total-mb`` of bf16 tensors in ``--bucket-mb`` buckets to
-``--receivers`` Ray actors through the trainer's own transports (:class:`BroadcastTransport` over a gloo
-group on CPU / NCCL on GPUs, :class:`ObjectStoreTransport`). Each receiver copies every bucket into
+``--receivers`` Ray actors (a worker group, as the rollout workers are) through the trainer's own transports
+(:class:`BroadcastTransport` over a gloo group on CPU / NCCL on GPUs, :class:`ObjectStoreTransport`). Each
+receiver copies every bucket into
 preallocated tensors, as a rollout engine's ``update_weights`` does, and checks the bytes of the last
 one. Reported: seconds per sync (median of ``--iters`` after one warm-up) and GB/s of payload delivered
 to each receiver; the ratio is broadcast over object store in the same run.
@@ -19,6 +20,7 @@ import time
 import torch
 
 from bench.measure import environment, write_json
+from megarl.controller.rollout_worker import WeightReceiver
 
 
 def make_payload(total_mb: int, tensor_mb: int = 16) -> list[tuple[str, torch.Tensor]]:
@@ -28,38 +30,37 @@ def make_payload(total_mb: int, tensor_mb: int = 16) -> list[tuple[str, torch.Te
     return [(f"layers.{i}.weight", torch.randn(per_tensor, generator=g).to(torch.bfloat16)) for i in range(count)]
 
 
-class Receiver:
+class Receiver(WeightReceiver):
     """What a RolloutWorker does with buckets, minus the engine: copy into preallocated parameters."""
 
     def __init__(self, names_and_numels: list[tuple[str, int]]):
         self.params = {name: torch.empty(numel, dtype=torch.bfloat16) for name, numel in names_and_numels}
-        self.device = "cpu"
 
-    def execute(self, method: str, *args):
-        return getattr(self, method)(*args)
-
-    def update_weights(self, bucket) -> None:
+    def apply_bucket(self, bucket) -> None:
         for name, tensor in bucket:
             self.params[name].copy_(tensor)
 
-    def load_weight_bucket(self, bucket) -> None:
-        self.update_weights(bucket)
-
-    def join_weight_group(self, host, port, rank, world_size, timeout_s) -> None:
-        from megarl.weight_sync.broadcast import create_group
-
-        self.group = create_group(host, port, rank, world_size, self.device, timeout_s)
-
-    def receive_weight_bucket(self, layout) -> None:
-        from megarl.weight_sync.broadcast import receive_bucket
-
-        self.update_weights(receive_bucket(self.group, layout, self.device))
-
-    def finish_weight_update(self) -> None:
+    def apply_finished(self) -> None:
         pass
 
     def checksum(self, name: str) -> float:
         return float(self.params[name].float().sum())
+
+
+def start_receivers(count: int, names_and_numels, worker_cls: type = None, *, timeout_s: float = 120):
+    """``count`` receivers in a worker group of their own (one CPU-only Ray actor each, as separate rollout
+    workers are): the group and its pool, for ``group.as_peers()`` and their shutdown."""
+    from megarl.controller.resource_pool import ResourcePool
+    from megarl.controller.worker_group import WorkerGroup
+
+    pool = ResourcePool("receivers", [count], device="cpu", cpus_per_process=0.5)
+    try:
+        group = WorkerGroup(pool, worker_cls or Receiver, init_args=(names_and_numels,), name_prefix="receivers",
+                            call_timeout_s=timeout_s, init_timeout_s=timeout_s)
+    except BaseException:
+        pool.release()
+        raise
+    return group, pool
 
 
 def time_syncs(transport_factory, payload, bucket_bytes: int, iters: int) -> list[float]:
@@ -94,8 +95,8 @@ def main(argv=None) -> int:
     ray.init(num_cpus=max(2, args.receivers + 1), include_dashboard=False,
              object_store_memory=max(2 * args.bucket_mb * 2**20 * args.receivers, 256 * 2**20))
     try:
-        actor_class = ray.remote(num_cpus=0.5)(Receiver)
-        peers = [actor_class.remote([(n, t.numel()) for n, t in payload]) for _ in range(args.receivers)]
+        receivers, pool = start_receivers(args.receivers, [(n, t.numel()) for n, t in payload])
+        peers = receivers.as_peers()
         group = open_weight_group(peers, "cpu", timeout_s=120)
         bucket_bytes = args.bucket_mb * 2**20
         results = {
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
         }
         name, tensor = payload[-1]
         want = float(tensor.float().sum())
-        got = ray.get([peer.checksum.remote(name) for peer in peers])
+        got = receivers.call(Receiver.checksum, name)
+        receivers.shutdown()
+        pool.release()
         if any(abs(g - want) > 1e-3 * max(1.0, abs(want)) for g in got):
             raise AssertionError(f"receivers hold {got}, expected {want}")
     finally:

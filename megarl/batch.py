@@ -17,6 +17,10 @@ from typing import Any, Optional
 import torch
 
 
+# The fields a model's forward pass reads (the tokens and which of them are real): what every engine call takes
+MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+
+
 @dataclass
 class RolloutBatch:
     prompt_ids: torch.Tensor  # [B, P] int64, left-padded

@@ -1,7 +1,11 @@
 """How a driver-side call fans out to the ranks of a worker group and how the per-rank results come back.
 
-A worker method declares its modes with `@register(dispatch=..., collect=...)`; `WorkerGroup.call` reads the
-declaration and uses `plan_dispatch` / `collect_results` from here. Dispatch modes:
+A worker method declares its contract with the driver once, where it is implemented:
+`@register(dispatch=..., collect=..., reads=...)`. The driver calls it through a group by the method itself,
+`group.call(ActorRolloutRefWorker.update_actor, batch)` (a name a reader, an IDE and a call graph can follow;
+a misspelt one fails at import), and `WorkerGroup.call` reads the declaration: `reads` names the
+`TrainBatch` fields the method reads, and only those travel to the ranks (the rest stays with the driver);
+`plan_dispatch` / `collect_results` below fan the arguments out and the results in. Dispatch modes:
 
 - ONE_TO_ALL: every rank gets the same arguments.
 - ALL_TO_ALL: every argument is a sequence with one entry per rank.
@@ -20,10 +24,12 @@ import this module. Leaves out: the RPC itself (see `worker_group.py`) and batch
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
+from megarl.batch import TrainBatch
 from megarl.controller.batch_split import concat_batches, split_batch
 
 DP_INFO_METHOD = "get_dp_info"
@@ -42,22 +48,36 @@ class Collect(enum.Enum):
     DP_COLLECT = "dp_collect"
 
 
+TRAIN_BATCH_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainBatch))
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     dispatch: Dispatch = Dispatch.ONE_TO_ALL
     collect: Collect = Collect.ALL
+    # The TrainBatch fields the method reads; None: the method takes no batch (or all of it)
+    reads: Optional[tuple[str, ...]] = None
 
 
 DEFAULT_METHOD_SPEC = MethodSpec()
+WorkerMethod = Union[str, Callable]  # a worker class's method (what the driver passes), or its name (tests)
 
 
-def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect = Collect.ALL) -> Callable:
-    """Decorate a worker method with its dispatch and collect modes (read by `WorkerGroup.call`)."""
+def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect = Collect.ALL, *,
+             reads: Optional[Sequence[str]] = None) -> Callable:
+    """Declare a worker method's contract: how its arguments fan out, how its results come back and, for a
+    method taking a :class:`~megarl.batch.TrainBatch`, the fields it reads (read by `WorkerGroup.call`)."""
     if not isinstance(dispatch, Dispatch):
         raise TypeError(f"register(dispatch=...) needs a Dispatch member, got {dispatch!r}")
     if not isinstance(collect, Collect):
         raise TypeError(f"register(collect=...) needs a Collect member, got {collect!r}")
-    spec = MethodSpec(dispatch, collect)
+    if reads is not None:
+        unknown = sorted(set(reads) - TRAIN_BATCH_FIELDS)
+        if unknown:
+            raise ValueError(f"register(reads=...): {unknown} are not TrainBatch fields "
+                             f"(its fields: {sorted(TRAIN_BATCH_FIELDS)})")
+        reads = tuple(reads)
+    spec = MethodSpec(dispatch, collect, reads)
 
     def mark(method: Callable) -> Callable:
         setattr(method, _SPEC_ATTRIBUTE, spec)
@@ -66,15 +86,64 @@ def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect = Collec
     return mark
 
 
-def lookup_method_spec(worker_cls: type, method_name: str, overrides: dict[str, MethodSpec] | None = None) -> MethodSpec:
-    """Return the spec of `worker_cls.method_name`: explicit override, then `@register`, then ONE_TO_ALL/ALL."""
-    method = getattr(worker_cls, method_name, None)
-    if method is None or not callable(method):
+def method_spec(method: Callable) -> MethodSpec:
+    """The contract ``method`` was declared with (:func:`register`), or the default one."""
+    return getattr(method, _SPEC_ATTRIBUTE, DEFAULT_METHOD_SPEC)
+
+
+def method_name_of(worker_cls: type, method: WorkerMethod) -> str:
+    """The name to call ``method`` by on ``worker_cls``'s ranks. A method object must be one of
+    ``worker_cls``'s own (its class or a base of it): another class's method of the same name is refused."""
+    if isinstance(method, str):
+        return method
+    name = getattr(method, "__name__", None)
+    if name is None or not any(vars(klass).get(name) is method for klass in worker_cls.__mro__):
+        raise TypeError(f"{getattr(method, '__qualname__', method)!r} is not a method of the worker class "
+                        f"{worker_cls.__name__}")
+    return name
+
+
+def lookup_method_spec(worker_cls: type, method: WorkerMethod,
+                       overrides: dict[str, MethodSpec] | None = None) -> MethodSpec:
+    """Return the spec of `worker_cls`'s `method`: explicit override, then `@register`, then ONE_TO_ALL/ALL."""
+    method_name = method_name_of(worker_cls, method)
+    found = getattr(worker_cls, method_name, None)
+    if found is None or not callable(found):
         public = sorted(name for name in dir(worker_cls) if not name.startswith("_") and callable(getattr(worker_cls, name)))
         raise AttributeError(f"{worker_cls.__name__} has no method {method_name!r}; its methods: {public}")
     if overrides and method_name in overrides:
         return overrides[method_name]
-    return getattr(method, _SPEC_ATTRIBUTE, DEFAULT_METHOD_SPEC)
+    return method_spec(found)
+
+
+def shipped(batch: TrainBatch, reads: Sequence[str]) -> TrainBatch:
+    """``batch`` with the fields not in ``reads`` set to None (no copy of the tensors it keeps)."""
+    return dataclasses.replace(batch, **{name: None for name in TRAIN_BATCH_FIELDS if name not in reads})
+
+
+def ship_reads(spec: MethodSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with every TrainBatch cut to the fields the method declared it reads."""
+    if spec.reads is None:
+        return args, kwargs
+
+    def cut(value: Any) -> Any:
+        return shipped(value, spec.reads) if isinstance(value, TrainBatch) else value
+
+    return tuple(cut(v) for v in args), {name: cut(v) for name, v in kwargs.items()}
+
+
+class RankGroup(Protocol):
+    """What the driver's role facades need of a worker group (Ray's :class:`WorkerGroup` or the in-process
+    one): call a worker method on every rank, by the method itself."""
+
+    world_size: int
+
+    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> Any: ...
+
+    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> Any: ...
+
+    @property
+    def dp_layout(self) -> "DPLayout": ...
 
 
 class DPInfo(NamedTuple):

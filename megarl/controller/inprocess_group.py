@@ -12,7 +12,8 @@ import os
 from typing import Any, Mapping
 
 from megarl.controller.device_oom import naming_out_of_memory
-from megarl.controller.dispatch import DPLayout, collect_results, lookup_method_spec, plan_dispatch
+from megarl.controller.dispatch import (DPLayout, WorkerMethod, collect_results, lookup_method_spec, method_name_of,
+                                       plan_dispatch, ship_reads)
 from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
 
 
@@ -45,19 +46,21 @@ class InProcessWorkerGroup:
             destroy_megatron_parallel()
             self._restore_env()
             raise
-        self._layout = DPLayout.pure_data_parallel(1)
+        self.dp_layout = DPLayout.pure_data_parallel(1)
 
-    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> Any:
+        method_name = method_name_of(self.worker_cls, method)
         spec = lookup_method_spec(self.worker_cls, method_name)
-        ((rank_args, rank_kwargs),) = plan_dispatch(spec.dispatch, args, kwargs, world_size=1, layout=self._layout,
+        args, kwargs = ship_reads(spec, args, kwargs)
+        ((rank_args, rank_kwargs),) = plan_dispatch(spec.dispatch, args, kwargs, world_size=1, layout=self.dp_layout,
                                                      method_name=f"{self.name}.{method_name}")
         with naming_out_of_memory(method_name, 0):
             result = getattr(self.worker, method_name)(*rank_args, **rank_kwargs)
-        return collect_results(spec.collect, [result], layout=self._layout, method_name=method_name)
+        return collect_results(spec.collect, [result], layout=self.dp_layout, method_name=method_name)
 
-    def call_async(self, method_name: str, *args: Any, **kwargs: Any) -> "CompletedCall":
+    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> "CompletedCall":
         """:meth:`call`, run now (one process has nothing to overlap with); ``.get()`` returns its result."""
-        return CompletedCall(self.call(method_name, *args, **kwargs))
+        return CompletedCall(self.call(method, *args, **kwargs))
 
     def shutdown(self) -> None:
         """Release what the worker holds, including torch.distributed, so another run can start here."""

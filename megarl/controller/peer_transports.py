@@ -1,30 +1,26 @@
-"""Weight transports from training rank 0 to separate rollout workers (Ray actors): through Ray's object
-store, or broadcast over a process group of rank 0 and the workers (NCCL on GPUs, gloo on CPU), with the
-group's rendezvous. The colocated transport needs no Ray and lives in :mod:`megarl.weight_sync`."""
+"""Weight transports from training rank 0 to separate rollout workers: through Ray's object store, or
+broadcast over a process group of rank 0 and the workers (NCCL on GPUs, gloo on CPU), with the group's
+rendezvous. Rank 0 calls the workers through their group's :class:`~megarl.controller.worker_group.PeerGroup`
+(the receiving side's contract: :class:`~megarl.controller.rollout_worker.WeightReceiver`), so a worker that
+fails or dies is named the way the driver names its own ranks. The colocated transport needs no Ray and
+lives in :mod:`megarl.weight_sync`."""
 
 from __future__ import annotations
 
-from typing import Optional
+import threading
 
+from megarl.controller.rollout_worker import WeightReceiver
 from megarl.weight_sync.transport import WeightTransport
 
 
 class _RolloutPeersTransport(WeightTransport):
     """Buckets from training rank 0 to the separate rollout workers; ``finish`` resets their caches."""
 
-    def __init__(self, peers: list, timeout_s: float):
-        self.peers, self.timeout_s = peers, timeout_s
-
-    def _on_every_peer(self, method: str, *args):
-        return [peer.execute.remote(method, *args) for peer in self.peers]
-
-    def _wait(self, pending: list) -> None:
-        import ray
-
-        ray.get(pending, timeout=self.timeout_s)
+    def __init__(self, peers, timeout_s: float):
+        self.peers, self.timeout_s = peers, timeout_s  # peers: the rollout group's PeerGroup
 
     def finish(self) -> None:
-        self._wait(self._on_every_peer("finish_weight_update"))
+        self.peers.call_async(WeightReceiver.finish_weight_update).get(timeout_s=self.timeout_s)
 
 
 class ObjectStoreTransport(_RolloutPeersTransport):
@@ -34,16 +30,14 @@ class ObjectStoreTransport(_RolloutPeersTransport):
     """
 
     def send(self, bucket) -> None:
-        import ray
-
-        self._wait(self._on_every_peer("load_weight_bucket", ray.put(bucket)))
+        self.peers.call_async(WeightReceiver.load_weight_bucket, bucket).get(timeout_s=self.timeout_s)
 
 
 class BroadcastTransport(_RolloutPeersTransport):
     """Each bucket is broadcast as one flat buffer over the weight group (:mod:`megarl.weight_sync.broadcast`);
     its layout goes ahead by RPC. Device to device with NCCL; one bucket of extra memory per side."""
 
-    def __init__(self, peers: list, group, timeout_s: float):
+    def __init__(self, peers, group, timeout_s: float):
         super().__init__(peers, timeout_s)
         self.group = group
 
@@ -52,59 +46,40 @@ class BroadcastTransport(_RolloutPeersTransport):
 
         layout = bucket_layout(bucket)
         buffer = pack_bucket(bucket, layout, bucket[0][1].device)
-        pending = self._on_every_peer("receive_weight_bucket", layout)
+        receiving = self.peers.call_async(WeightReceiver.receive_weight_bucket, layout)
         work = start_broadcast(self.group, buffer)
-        _watch_peers(pending, work.is_completed, timeout_s=self.timeout_s,
-                     what=f"weight broadcast of {len(layout)} tensors")
+        receiving.wait_until(work.is_completed, timeout_s=self.timeout_s,
+                             what=f"weight broadcast of {len(layout)} tensors")
         work.wait()
-        self._wait(pending)
+        receiving.get(timeout_s=self.timeout_s)
 
 
-def _watch_peers(pending: list, is_done, *, timeout_s: Optional[float] = None, what: str = "") -> None:
-    """Wait until ``is_done()``, raising the first error among the peers' ``pending`` calls meanwhile: a
-    peer that failed or died never joins the collective being waited on, so its error is the reason to
-    stop rather than the collective's timeout."""
-    import time
-
-    import ray
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while not is_done():
-        finished, _ = ray.wait(pending, num_returns=len(pending), timeout=0.05)
-        ray.get(finished)
-        if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not finish within {timeout_s:.0f}s (trainer.worker_timeout_s)")
-
-
-def open_weight_group(peers: list, device: str, timeout_s: float):
-    """On training rank 0: the weight group of this process (its root) and ``peers`` (ranks 1..N)."""
-    import threading
-
+def open_weight_group(peers, device: str, timeout_s: float):
+    """On training rank 0: the weight group of this process (its root) and the ``peers`` group's workers
+    (ranks 1..N)."""
     import ray
 
     from megarl.weight_sync.broadcast import create_group, host_store
 
     host = ray.util.get_node_ip_address()
-    world = len(peers) + 1
+    world = peers.world_size + 1
     store = host_store(host, world, timeout_s)
-    port = store.port
-    joins = [peer.execute.remote("join_weight_group", host, port, rank, world, timeout_s)
-             for rank, peer in enumerate(peers, start=1)]
-    # Joining blocks until every member is there: wait in a thread and watch the peers' joins, so a peer
-    # that fails to join ends this at once with its error instead of at the group's timeout.
+    joining = peers.call_async(WeightReceiver.join_weight_group, host, store.port, world, timeout_s)
+    # Joining blocks until every member is there: join in a thread and watch the peers' joins, so a peer that
+    # fails to join ends this at once with its error instead of at the group's timeout.
     # (A daemon thread: one left blocked must not keep the process from exiting.)
     outcome: dict = {}
 
     def join_as_root():
         try:
-            outcome["group"] = create_group(host, port, 0, world, device, timeout_s, store=store)
+            outcome["group"] = create_group(host, store.port, 0, world, device, timeout_s, store=store)
         except BaseException as err:  # handed to the caller below
             outcome["error"] = err
 
-    joining = threading.Thread(target=join_as_root, name="weight-group-join", daemon=True)
-    joining.start()
-    _watch_peers(joins, lambda: not joining.is_alive())
+    root = threading.Thread(target=join_as_root, name="weight-group-join", daemon=True)
+    root.start()
+    joining.wait_until(lambda: not root.is_alive(), timeout_s=None, what="joining the weight group")
     if "error" in outcome:
         raise outcome["error"]
-    ray.get(joins, timeout=timeout_s)
+    joining.get(timeout_s=timeout_s)
     return outcome["group"]

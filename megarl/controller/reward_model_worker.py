@@ -9,7 +9,9 @@ device between scorings, so colocated it holds device memory only while it score
 
 from __future__ import annotations
 
-from megarl.batch import TrainBatch
+import torch
+
+from megarl.batch import MODEL_INPUTS, TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import Collect, Dispatch, register
 from megarl.controller.megatron_role import MegatronRole
@@ -41,8 +43,8 @@ class RewardModelWorker(MegatronRole):
 
         self.offloaded = offload_engine(self.engine, params=True, grads=False, optimizer=False)
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
-    def compute_rm_scores(self, batch: TrainBatch):
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
+    def compute_rm_scores(self, batch: TrainBatch) -> torch.Tensor:
         """One score per row of this DP shard (fp32, on the CPU for the driver)."""
         from megarl.engines.megatron.offload import reload_engine
 

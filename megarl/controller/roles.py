@@ -1,12 +1,14 @@
 """The driver's typed view of the worker groups: one facade per role, one method per thing a role does.
 
-The loop calls ``actor.update(batch)``, not ``group.call("update_actor", batch)``: each driver -> worker edge
-is a method a reader (and an IDE) can follow to the worker method it runs, with the types that cross it.
-The facades sit over either backend (:class:`~megarl.controller.worker_group.WorkerGroup`, a Ray actor per
-rank, or :class:`~megarl.controller.inprocess_group.InProcessWorkerGroup`, the worker in this process).
-Splitting prompts over the rollout ranks and mapping the answers back to the caller's prompt order happens
-here, once (:meth:`Rollout.generate`), and each method ships only the batch fields its worker method reads
-(:data:`SHIPPED_FIELDS`).
+The loop calls ``actor.update(batch)``; the facade calls the worker's method itself through the group,
+``group.call(ActorRolloutRefWorker.update_actor, batch)``: each driver -> worker edge is a method a reader (and
+an IDE, and a call graph) can follow to the code it runs, with the types that cross it, and a misspelt name
+fails at import. The worker method's declaration (:func:`megarl.controller.dispatch.register`) is the contract:
+how the call fans out over the ranks, how the results come back, and which batch fields travel (the rest
+stays with the driver). The facades sit over either backend (:class:`~megarl.controller.worker_group.WorkerGroup`,
+a Ray actor per rank, or :class:`~megarl.controller.inprocess_group.InProcessWorkerGroup`, the worker in this
+process). Splitting prompts over the rollout ranks and mapping the answers back to the caller's prompt order
+happens here, once (:meth:`Rollout.generate`).
 
 :func:`start_workers` brings the roles up for a config (Ray cluster, resource pools, groups; or the
 in-process worker) and :meth:`Workers.shutdown` takes them down.
@@ -14,35 +16,18 @@ in-process worker) and :meth:`Workers.shutdown` takes them down.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from megarl.batch import TrainBatch, concat_rows, select_rows
 from megarl.config.schema import MegarlConfig
+from megarl.controller.dispatch import RankGroup
+from megarl.controller.reward_model_worker import RewardModelWorker
+from megarl.controller.rollout_worker import RolloutWorker
+from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker, LogProbs
 from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
-
-
-# What each worker method reads of a TrainBatch. Only these fields travel to the ranks; the rest (reward
-# inputs, scores, group ids, the rollout engine's own log-probs) stays with the driver.
-_MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
-SHIPPED_FIELDS = {
-    "compute_log_probs": _MODEL_INPUTS,
-    "compute_ref_log_probs": _MODEL_INPUTS,
-    "compute_values": _MODEL_INPUTS,
-    "update_actor": _MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights",
-                                     "loss_mask"),
-    "update_critic": _MODEL_INPUTS + ("values", "returns", "generated_mask"),
-    "compute_rm_scores": _MODEL_INPUTS,
-}
-
-
-def shipped(batch: TrainBatch, method: str) -> TrainBatch:
-    """``batch`` with the fields ``method`` does not read set to None (no copy of the tensors it keeps)."""
-    keep = SHIPPED_FIELDS[method]
-    return dataclasses.replace(batch, **{f.name: None for f in dataclasses.fields(batch) if f.name not in keep})
 
 
 def needs_reference(cfg: MegarlConfig) -> bool:
@@ -77,10 +62,11 @@ class PendingGeneration:
 
 
 class Rollout:
-    """Generation: the hybrid actor group (colocated) or the rollout workers (separate placement)."""
+    """Generation: the hybrid actor group (colocated) or the rollout workers (separate placement); ``generate``
+    is the worker class's method (:meth:`ActorRolloutRefWorker.generate` or :meth:`RolloutWorker.generate`)."""
 
-    def __init__(self, group):
-        self._group = group
+    def __init__(self, group: RankGroup, generate: Callable):
+        self._group, self._generate = group, generate
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
         """Every prompt's ``sampling.n`` responses; ``prompt_index`` indexes ``prompts``. The prompts are split
@@ -96,87 +82,87 @@ class Rollout:
         if sampling.prompt_seeds:  # each prompt's seed goes with it
             per_rank = [replace(sampling, prompt_seeds=tuple(sampling.prompt_seeds[i] for i in chunk))
                         for chunk in chunks]
-        call = self._group.call_async("generate", [[prompts[i] for i in chunk] for chunk in chunks], per_rank)
+        call = self._group.call_async(self._generate, [[prompts[i] for i in chunk] for chunk in chunks], per_rank)
         return PendingGeneration(chunks, call)
 
 
 class ActorRolloutRef:
     """The Megatron actor, its frozen reference and (colocated) the rollout replicas on the same ranks."""
 
-    def __init__(self, group):
+    def __init__(self, group: RankGroup):
         self._group = group
 
     # The device's phases (hybrid engine, :mod:`megarl.controller.device_residency`), named in the loop.
     def for_generation(self) -> None:
         """The rollout engine gets the device; the Megatron engines' offloaded parts leave it."""
-        self._group.call("for_generation")
+        self._group.call(ActorRolloutRefWorker.for_generation)
 
     def for_training(self) -> None:
         """The Megatron engines get the device; the rollout engine sleeps until the weight sync."""
-        self._group.call("for_training")
+        self._group.call(ActorRolloutRefWorker.for_training)
 
     def for_weight_sync(self) -> None:
         """The actor's weights and the rollout engine's weight memory are both on the device."""
-        self._group.call("for_weight_sync")
+        self._group.call(ActorRolloutRefWorker.for_weight_sync)
 
-    def compute_log_probs(self, batch: TrainBatch):
-        """The actor's per-token log-probs and entropy of the responses (:class:`~megarl.controller.workers.LogProbs`)."""
-        return self._group.call("compute_log_probs", shipped(batch, "compute_log_probs"))
+    def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
+        """The actor's per-token log-probs and entropy of the responses."""
+        return self._group.call(ActorRolloutRefWorker.compute_log_probs, batch)
 
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._group.call("compute_ref_log_probs", shipped(batch, "compute_ref_log_probs"))
+        return self._group.call(ActorRolloutRefWorker.compute_ref_log_probs, batch)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One PPO update over the batch (its mini-batches and epochs); the actor's metrics."""
-        return self._group.call("update_actor", shipped(batch, "update_actor"))
+        return self._group.call(ActorRolloutRefWorker.update_actor, batch)
 
     def sync_weights(self) -> dict[str, float]:
         """The actor's weights into the rollout engines (after :meth:`for_weight_sync`); the metrics of the sync."""
-        return self._group.call("sync_weights")
+        return self._group.call(ActorRolloutRefWorker.sync_weights)
 
     def attach_rollout_peers(self, rollout_group) -> None:
-        """Separate placement: stream weights to these rollout workers from now on."""
-        self._group.call("attach_rollout_peers", rollout_group.actors)
+        """Separate placement: stream weights to this group's rollout workers from now on."""
+        self._group.call(ActorRolloutRefWorker.attach_rollout_peers, rollout_group.as_peers())
 
     def save(self, path: str, step: int) -> None:
         """Megatron-LM's layout in ``path``: ``iter_<step>/`` and its tracker file."""
-        self._group.call("save_checkpoint", path, step)
+        self._group.call(ActorRolloutRefWorker.save_checkpoint, path, step)
 
     def save_hf(self, path: str) -> None:
-        self._group.call("save_hf", path)
+        self._group.call(ActorRolloutRefWorker.save_hf, path)
 
     def save_hf_adapter(self, path: str) -> None:
         """The LoRA adapter as a PEFT adapter directory."""
-        self._group.call("save_hf_adapter", path)
+        self._group.call(ActorRolloutRefWorker.save_hf_adapter, path)
 
     def load(self, path: str) -> int:
-        return self._group.call("load_checkpoint", path)
+        return self._group.call(ActorRolloutRefWorker.load_checkpoint, path)
 
 
 class Critic:
     """The value model."""
 
-    def __init__(self, group):
+    def __init__(self, group: RankGroup):
         self._group = group
 
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        return self._group.call("compute_values", shipped(batch, "compute_values"))
+        return self._group.call(CriticWorker.compute_values, batch)
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        return self._group.call("update_critic", shipped(batch, "update_critic"))
+        return self._group.call(CriticWorker.update_critic, batch)
 
     def save(self, path: str, step: int) -> None:
         """Megatron-LM's layout in ``path``: ``iter_<step>/`` and its tracker file."""
-        self._group.call("save_checkpoint", path, step)
+        self._group.call(CriticWorker.save_checkpoint, path, step)
 
     def load(self, path: str) -> int:
-        return self._group.call("load_checkpoint", path)
+        return self._group.call(CriticWorker.load_checkpoint, path)
 
 
 class RewardModel:
     """The model-based reward: one score per sample from the reward model group."""
 
-    def __init__(self, group):
+    def __init__(self, group: RankGroup):
         self._group = group
 
     def score(self, batch: TrainBatch) -> torch.Tensor:
@@ -186,7 +172,7 @@ class RewardModel:
         rows, dp = len(batch), self._group.dp_layout.dp_size
         if rows % dp:
             batch = concat_rows([batch, select_rows(batch, [rows - 1] * (dp - rows % dp))])
-        return self._group.call("compute_rm_scores", shipped(batch, "compute_rm_scores"))[:rows]
+        return self._group.call(RewardModelWorker.compute_rm_scores, batch)[:rows]
 
 
 @dataclass
@@ -245,10 +231,7 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
     """Bring up every role of ``cfg``: ``trainer.backend=inprocess`` holds the actor in this process; ``ray``
     starts (or attaches to) a Ray cluster, reserves the pools and starts one worker per rank. On failure what
     was started is shut down again."""
-    from megarl.controller.reward_model_worker import RewardModelWorker
-    from megarl.controller.rollout_worker import RolloutWorker
     from megarl.controller.worker_env import worker_env_for
-    from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
 
     t, rm = cfg.trainer, cfg.reward_model
     with_critic = bool(cfg.critic.enable)
@@ -263,7 +246,8 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
         device = resolve_device(cfg)
         group = InProcessWorkerGroup(ActorRolloutRefWorker, device=device, init_kwargs=actor_kwargs,
                                      env=worker_env_for(device), name_prefix="actor_rollout_ref")
-        return Workers(actor=ActorRolloutRef(group), rollout=Rollout(group), groups=[group])
+        return Workers(actor=ActorRolloutRef(group), rollout=Rollout(group, ActorRolloutRefWorker.generate),
+                       groups=[group])
 
     import ray
 
@@ -294,14 +278,14 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
                                   call_timeout_s=timeout, init_timeout_s=timeout)
         workers.groups.append(actor_group)
         workers.actor = ActorRolloutRef(actor_group)
-        workers.rollout = Rollout(actor_group)
+        workers.rollout = Rollout(actor_group, ActorRolloutRefWorker.generate)
         if separate:
             rollout_pool = ResourcePool("rollout", rollout_nodes, device=device, cpus_per_process=per_process_cpus)
             workers.pools.append(rollout_pool)
             rollout_group = WorkerGroup(rollout_pool, RolloutWorker, name_prefix="rollout", init_kwargs=dict(cfg=cfg),
                                         env=env, call_timeout_s=timeout, init_timeout_s=timeout)
             workers.groups.append(rollout_group)
-            workers.rollout = Rollout(rollout_group)
+            workers.rollout = Rollout(rollout_group, RolloutWorker.generate)
             workers.actor.attach_rollout_peers(rollout_group)
             workers.actor.sync_weights()  # the rollout replicas start from exactly the trainer's weights
         if with_critic:

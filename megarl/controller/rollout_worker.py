@@ -3,6 +3,7 @@ rollout replica on its own device (``trainer.placement=separate``) fed weights b
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -52,7 +53,48 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
 
 
-class RolloutWorker:
+class WeightReceiver:
+    """The receiving side of a weight sync to separate rollout workers: what training rank 0 calls on each of
+    them, through :class:`~megarl.controller.worker_group.PeerGroup` (:mod:`megarl.controller.peer_transports`).
+    A subclass says where the tensors go (:meth:`apply_bucket`, :meth:`apply_finished`)."""
+
+    weight_group = None  # the broadcast transport's process group with training rank 0
+
+    def apply_bucket(self, bucket) -> None:
+        raise NotImplementedError
+
+    def apply_finished(self) -> None:
+        raise NotImplementedError
+
+    def weight_device(self) -> torch.device:
+        """Where received buckets land (and, by its kind, gloo or NCCL for the weight group)."""
+        return torch.device("cpu")
+
+    def load_weight_bucket(self, bucket) -> None:
+        """One bucket of ``(name, tensor)`` pairs handed over through Ray's object store."""
+        kill_point("rollout_receive_weights")
+        self.apply_bucket(bucket)
+
+    def join_weight_group(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """Join the broadcast group rooted at training rank 0: this worker's rank in it is its rank in its own
+        group + 1 (the group's rank comes with the worker's environment, see :mod:`megarl.controller.worker_env`)."""
+        from megarl.weight_sync.broadcast import create_group
+
+        rank = int(os.environ["RANK"]) + 1
+        self.weight_group = create_group(host, port, rank, world_size, self.weight_device().type, timeout_s)
+
+    def receive_weight_bucket(self, layout) -> None:
+        """One bucket broadcast over the weight group; ``layout`` (names, shapes, dtypes) came ahead by RPC."""
+        from megarl.weight_sync.broadcast import receive_bucket
+
+        kill_point("rollout_receive_weights")
+        self.apply_bucket(receive_bucket(self.weight_group, layout, self.weight_device()))
+
+    def finish_weight_update(self) -> None:
+        self.apply_finished()
+
+
+class RolloutWorker(WeightReceiver):
     """Separate placement: a rollout engine replica on its own device, fed weights by the trainer."""
 
     def __init__(self, cfg: MegarlConfig):
@@ -70,25 +112,17 @@ class RolloutWorker:
         self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
-    def generate(self, prompt_token_ids: list[list[int]], sampling):
+    def generate(self, prompt_token_ids: list[list[int]], sampling) -> list:
         kill_point("rollout_generate")
         return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica)
 
-    def load_weight_bucket(self, bucket) -> None:
-        kill_point("rollout_receive_weights")
+    def weight_device(self) -> torch.device:
+        if self.context.device == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def apply_bucket(self, bucket) -> None:
         self.engine.update_weights(bucket)
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        from megarl.weight_sync.broadcast import create_group
-
-        self.weight_group = create_group(host, port, rank, world_size, self.context.device, timeout_s)
-
-    def receive_weight_bucket(self, layout) -> None:
-        from megarl.weight_sync.broadcast import receive_bucket
-
-        kill_point("rollout_receive_weights")
-        device = torch.device("cuda", torch.cuda.current_device()) if self.context.device == "cuda" else "cpu"
-        self.engine.update_weights(receive_bucket(self.weight_group, layout, device))
-
-    def finish_weight_update(self) -> None:
+    def apply_finished(self) -> None:
         self.engine.finish_weight_update()

@@ -33,7 +33,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -46,9 +46,12 @@ from megarl.controller.dispatch import (
     Dispatch,
     DPLayout,
     MethodSpec,
+    WorkerMethod,
     collect_results,
     lookup_method_spec,
+    method_name_of,
     plan_dispatch,
+    ship_reads,
 )
 from megarl.controller.resource_pool import ResourcePool, format_table
 from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
@@ -73,6 +76,18 @@ class WorkerError(RuntimeError):
         self.failed_ranks = [rank]
         where = f"node {node_ip or '?'}, pid {pid or '?'}"
         super().__init__(f"worker group {group_name!r} rank {rank} ({where}) failed in {method}(): {detail}")
+
+    def __reduce__(self):
+        # raised in one worker (a peer group's call) and handed through Ray to the driver: rebuilt from its
+        # fields, the cause (a dead peer's RayActorError, say) included
+        return _rebuild_error, (type(self), dict(self.__dict__), str(self))
+
+
+def _rebuild_error(cls: type, fields: dict, message: str) -> WorkerError:
+    error = cls.__new__(cls)
+    RuntimeError.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
 
 
 class CallTimeoutError(WorkerError):
@@ -164,7 +179,7 @@ def _local_device_index(info: dict[str, Any]) -> int:
 class PendingCall:
     """A call in flight on every rank of a group; `get()` waits (never forever unless asked) and collects."""
 
-    def __init__(self, group: "WorkerGroup", method: str, spec: MethodSpec, refs: list[ray.ObjectRef],
+    def __init__(self, group: "RankCaller", method: str, spec: MethodSpec, refs: list[ray.ObjectRef],
                  layout: DPLayout | None) -> None:
         self.group = group
         self.method = method
@@ -183,17 +198,38 @@ class PendingCall:
         return collect_results(self.spec.collect, results, layout=self.layout,
                                method_name=f"{self.group.name}.{self.method}")
 
+    def wait_until(self, is_done: Callable[[], bool], *, what: str, timeout_s: float | None = GROUP_DEFAULT) -> None:
+        """Wait until ``is_done()`` (a collective these ranks take part in, say), raising the first failure of
+        this call's ranks meanwhile: a rank that failed or died never joins the collective, so its error is the
+        reason to stop, not the collective's timeout. Call :meth:`get` after it for the results."""
+        limit = self.group.call_timeout_s if timeout_s is GROUP_DEFAULT else timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        pending = {ref: rank for rank, ref in enumerate(self.refs)}
+        while not is_done():
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.05)
+            failures: dict[int, RayError] = {}
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except RayError as err:
+                    failures[rank] = err
+            if failures:
+                raise self.group._fail(self.method, failures, pending)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish within {limit:.0f}s (trainer.worker_timeout_s)")
+
 
 @dataclass
 class _PeerDeath:
     """A worker of ``group`` died, and rank ``seen_by`` of another group failed because of it."""
 
-    group: "WorkerGroup"
+    group: "RankCaller"
     rank: int
     seen_by: int
     cause: BaseException
 
-    def as_error(self, seer: "WorkerGroup", method: str, failures: dict[int, RayError]) -> WorkerError:
+    def as_error(self, seer: "RankCaller", method: str, failures: dict[int, RayError]) -> WorkerError:
         info = self.group.worker_infos[self.rank]
         self.group._broken = f"rank {self.rank} died (seen by {seer.name!r} rank {self.seen_by} in {method}())"
         seer._broken = f"{method}() failed on rank {self.seen_by}: a peer in {self.group.name!r} died"
@@ -205,99 +241,25 @@ class _PeerDeath:
         return error
 
 
-# Every group that came up, so that a rank failing because a worker of another group died can name that worker.
+# Every group that came up in this process, so that a rank failing because a worker of another group died can
+# name that worker.
 _LIVE_GROUPS: "weakref.WeakSet[WorkerGroup]" = weakref.WeakSet()
 
 
-class WorkerGroup:
-    """One Ray actor per bundle of `pool`, one torch.distributed world; see the module docstring."""
+class RankCaller:
+    """Calling the ranks of a started group: dispatch by each method's declaration, waiting that never hangs,
+    failures named. :class:`WorkerGroup` (which also starts and owns the ranks) and :class:`PeerGroup` (the
+    view of a group that another group's worker holds) are both one."""
 
-    def __init__(
-        self,
-        pool: ResourcePool,
-        worker_cls: type,
-        *,
-        init_args: Sequence[Any] = (),
-        init_kwargs: Mapping[str, Any] | None = None,
-        env: Mapping[str, str] | None = None,
-        name_prefix: str | None = None,
-        bundle_share: float = 1.0,
-        method_specs: Mapping[str, MethodSpec] | None = None,
-        call_timeout_s: float | None = 1800.0,
-        init_timeout_s: float = 300.0,
-        poll_interval_s: float = 0.5,
-    ) -> None:
-        self.pool = pool
-        self.worker_cls = worker_cls
-        self.name = name_prefix or worker_cls.__name__
-        self.call_timeout_s = call_timeout_s
-        self.poll_interval_s = poll_interval_s
-        self._method_specs = dict(method_specs or {})
-        for method_name in self._method_specs:
-            lookup_method_spec(worker_cls, method_name)  # fail now on a typo, not at the first call
-        self._broken: str | None = None
-        self._dp_layout: DPLayout | None = None
-        pool.claim_share(self.name, bundle_share)
-        host_cls = ray.remote(_WorkerHost)
-        self._actors = [
-            host_cls.options(
-                num_cpus=pool.cpus_per_process * bundle_share,
-                num_gpus=pool.gpus_per_process * bundle_share,
-                max_restarts=0,
-                max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=slot.placement_group,
-                    placement_group_bundle_index=slot.bundle_index,
-                    placement_group_capture_child_tasks=False,
-                ),
-            ).remote(worker_cls, self.name, slot.rank)
-            for slot in pool.slots
-        ]
-        # Until describe() returns we do not know nodes/pids; error messages show '?' for them.
-        self.worker_infos: list[dict[str, Any]] = [{"node_ip": None, "pid": None} for _ in self._actors]
-        try:
-            self.worker_infos = self._gather([actor.describe.remote() for actor in self._actors],
-                                             "describe (actor start)", init_timeout_s)
-            master_port = ray.get(self._actors[0].bind_rendezvous_store.remote(init_timeout_s),
-                                  timeout=init_timeout_s)
-            envs = self._build_rank_envs(master_port, dict(env or {}))
-            args, kwargs = tuple(init_args), dict(init_kwargs or {})
-            self._gather([actor.construct.remote(rank_env, args, kwargs)
-                          for actor, rank_env in zip(self._actors, envs)],
-                         f"{worker_cls.__name__}.__init__", init_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
-        self._broken = None
-        _LIVE_GROUPS.add(self)
-
-    # ----------------------------------------------------------------------------------------- set-up
-
-    def _build_rank_envs(self, master_port: int, extra: dict[str, str]) -> list[dict[str, str]]:
-        ranks_on_node: dict[str, list[int]] = {}
-        for rank, info in enumerate(self.worker_infos):
-            ranks_on_node.setdefault(info["node_id"], []).append(rank)
-        envs = []
-        for slot, info in zip(self.pool.slots, self.worker_infos):
-            peers = ranks_on_node[info["node_id"]]
-            local_rank = peers.index(slot.rank)
-            rank_env = {
-                "MASTER_ADDR": self.worker_infos[0]["node_ip"],
-                "MASTER_PORT": str(master_port),
-                "RANK": str(slot.rank),
-                "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(len(peers)),
-                ENV_GROUP_NAME: self.name,
-                ENV_POOL_NODE: str(slot.pool_node),
-                ENV_DEVICE: self.pool.device,
-                ENV_LOCAL_DEVICE: str(_local_device_index(info)) if self.pool.device == "cuda" else "",
-            }
-            info.update(master_port=str(master_port), local_rank=local_rank, pool_node=slot.pool_node, bundle=slot.bundle_index,
-                        local_device=rank_env[ENV_LOCAL_DEVICE] or None)
-            rank_env.update(extra)
-            envs.append(rank_env)
-        return envs
+    name: str
+    worker_cls: type
+    call_timeout_s: float | None
+    poll_interval_s: float
+    worker_infos: list[dict[str, Any]]
+    _actors: list[Any]
+    _method_specs: dict[str, MethodSpec]
+    _broken: str | None
+    _dp_layout: DPLayout | None
 
     # ----------------------------------------------------------------------------------------- calls
 
@@ -309,14 +271,17 @@ class WorkerGroup:
     def actors(self) -> list[Any]:
         return list(self._actors)
 
-    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Run `method_name` on all ranks (dispatch per its spec), wait with the group timeout, collect."""
-        return self.call_async(method_name, *args, **kwargs).get()
+    def call(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> Any:
+        """Run `method` (a method of the worker class) on all ranks (dispatch per its declaration), wait with
+        the group timeout, collect."""
+        return self.call_async(method, *args, **kwargs).get()
 
-    def call_async(self, method_name: str, *args: Any, **kwargs: Any) -> PendingCall:
-        """Start `method_name` on all ranks and return at once; `.get()` on the result waits and collects."""
+    def call_async(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `method` on all ranks and return at once; `.get()` on the result waits and collects."""
+        method_name = method_name_of(self.worker_cls, method)
         self._check_usable(method_name)
         spec = lookup_method_spec(self.worker_cls, method_name, self._method_specs)
+        args, kwargs = ship_reads(spec, args, kwargs)
         needs_layout = spec.dispatch is Dispatch.DP_SPLIT or spec.collect is Collect.DP_COLLECT
         layout = self.dp_layout if needs_layout else None
         per_rank = plan_dispatch(spec.dispatch, args, kwargs, world_size=self.world_size, layout=layout,
@@ -341,9 +306,10 @@ class WorkerGroup:
         ]
         return PendingCall(self, method_name, spec, refs, layout)
 
-    def call_rank(self, rank: int, method_name: str, *args: Any, timeout_s: float | None = GROUP_DEFAULT,
+    def call_rank(self, rank: int, method: WorkerMethod, *args: Any, timeout_s: float | None = GROUP_DEFAULT,
                   **kwargs: Any) -> Any:
-        """Run `method_name` on one rank only (e.g. rank 0 saving an HF checkpoint) and return its result."""
+        """Run `method` on one rank only (e.g. rank 0 saving an HF checkpoint) and return its result."""
+        method_name = method_name_of(self.worker_cls, method)
         self._check_usable(method_name)
         lookup_method_spec(self.worker_cls, method_name, self._method_specs)
         if not 0 <= rank < self.world_size:
@@ -464,7 +430,8 @@ class WorkerGroup:
                 continue
             cause = err.cause
             while cause is not None and not isinstance(cause, RayActorError):
-                cause = cause.__cause__ or cause.__context__
+                # a peer group's error (PeerGroup, in the failed rank) carries the dead peer's as its cause
+                cause = cause.cause if isinstance(cause, WorkerError) else (cause.__cause__ or cause.__context__)
             actor_id = getattr(cause, "actor_id", None) if cause is not None else None
             if not actor_id:
                 continue
@@ -502,6 +469,101 @@ class WorkerGroup:
                 stacks[rank] = f"(could not dump stacks: {type(err).__name__}: {err})"
         return stacks
 
+class WorkerGroup(RankCaller):
+    """One Ray actor per bundle of `pool`, one torch.distributed world; see the module docstring."""
+
+    def __init__(
+        self,
+        pool: ResourcePool,
+        worker_cls: type,
+        *,
+        init_args: Sequence[Any] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        name_prefix: str | None = None,
+        bundle_share: float = 1.0,
+        method_specs: Mapping[str, MethodSpec] | None = None,
+        call_timeout_s: float | None = 1800.0,
+        init_timeout_s: float = 300.0,
+        poll_interval_s: float = 0.5,
+    ) -> None:
+        self.pool = pool
+        self.worker_cls = worker_cls
+        self.name = name_prefix or worker_cls.__name__
+        self.call_timeout_s = call_timeout_s
+        self.poll_interval_s = poll_interval_s
+        self._method_specs = dict(method_specs or {})
+        for method_name in self._method_specs:
+            lookup_method_spec(worker_cls, method_name)  # fail now on a typo, not at the first call
+        self._broken: str | None = None
+        self._dp_layout: DPLayout | None = None
+        pool.claim_share(self.name, bundle_share)
+        host_cls = ray.remote(_WorkerHost)
+        self._actors = [
+            host_cls.options(
+                num_cpus=pool.cpus_per_process * bundle_share,
+                num_gpus=pool.gpus_per_process * bundle_share,
+                max_restarts=0,
+                max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=slot.placement_group,
+                    placement_group_bundle_index=slot.bundle_index,
+                    placement_group_capture_child_tasks=False,
+                ),
+            ).remote(worker_cls, self.name, slot.rank)
+            for slot in pool.slots
+        ]
+        # Until describe() returns we do not know nodes/pids; error messages show '?' for them.
+        self.worker_infos: list[dict[str, Any]] = [{"node_ip": None, "pid": None} for _ in self._actors]
+        try:
+            self.worker_infos = self._gather([actor.describe.remote() for actor in self._actors],
+                                             "describe (actor start)", init_timeout_s)
+            master_port = ray.get(self._actors[0].bind_rendezvous_store.remote(init_timeout_s),
+                                  timeout=init_timeout_s)
+            envs = self._build_rank_envs(master_port, dict(env or {}))
+            args, kwargs = tuple(init_args), dict(init_kwargs or {})
+            self._gather([actor.construct.remote(rank_env, args, kwargs)
+                          for actor, rank_env in zip(self._actors, envs)],
+                         f"{worker_cls.__name__}.__init__", init_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._broken = None
+        _LIVE_GROUPS.add(self)
+
+    # ----------------------------------------------------------------------------------------- set-up
+
+    def _build_rank_envs(self, master_port: int, extra: dict[str, str]) -> list[dict[str, str]]:
+        ranks_on_node: dict[str, list[int]] = {}
+        for rank, info in enumerate(self.worker_infos):
+            ranks_on_node.setdefault(info["node_id"], []).append(rank)
+        envs = []
+        for slot, info in zip(self.pool.slots, self.worker_infos):
+            peers = ranks_on_node[info["node_id"]]
+            local_rank = peers.index(slot.rank)
+            rank_env = {
+                "MASTER_ADDR": self.worker_infos[0]["node_ip"],
+                "MASTER_PORT": str(master_port),
+                "RANK": str(slot.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(len(peers)),
+                ENV_GROUP_NAME: self.name,
+                ENV_POOL_NODE: str(slot.pool_node),
+                ENV_DEVICE: self.pool.device,
+                ENV_LOCAL_DEVICE: str(_local_device_index(info)) if self.pool.device == "cuda" else "",
+            }
+            info.update(master_port=str(master_port), local_rank=local_rank, pool_node=slot.pool_node, bundle=slot.bundle_index,
+                        local_device=rank_env[ENV_LOCAL_DEVICE] or None)
+            rank_env.update(extra)
+            envs.append(rank_env)
+        return envs
+
+    def as_peers(self) -> "PeerGroup":
+        """This group as another group's worker calls it (training rank 0 streaming weights to the rollout
+        workers, say): the same calls, dispatch and failure naming; pickled into that worker."""
+        return PeerGroup(self)
+
     # ----------------------------------------------------------------------------------------- reporting / teardown
 
     def placement_table(self) -> list[dict[str, Any]]:
@@ -532,3 +594,20 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class PeerGroup(RankCaller):
+    """A started group's ranks, called from inside another group's worker (:meth:`WorkerGroup.as_peers`).
+
+    It owns nothing: it neither starts nor shuts down the ranks. A failure it sees marks only this view
+    broken; the error it raises names the failed peer, and when it reaches the driver the peer's own group
+    learns of it there (:meth:`RankCaller._peer_death`)."""
+
+    def __init__(self, group: WorkerGroup):
+        self.name, self.worker_cls = group.name, group.worker_cls
+        self.call_timeout_s, self.poll_interval_s = group.call_timeout_s, group.poll_interval_s
+        self.worker_infos = [dict(info) for info in group.worker_infos]
+        self._actors = list(group._actors)
+        self._method_specs = dict(group._method_specs)
+        self._broken = None
+        self._dp_layout = group._dp_layout

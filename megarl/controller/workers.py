@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megarl.batch import TrainBatch
+from megarl.batch import MODEL_INPUTS, TrainBatch
 from megarl.config.lora import block_lora, model_lora
 from megarl.config.schema import MegarlConfig
 from megarl.controller.device_residency import DeviceResidency, OffloadPolicy
@@ -95,7 +95,7 @@ class ActorRolloutRefWorker(MegatronRole):
                 copy_model_weights(self.actor.model, self.reference.model)
         self.rollout_dtype = DTYPES[arr.rollout.dtype]
         self.bucket_bytes = arr.rollout.weight_sync_bucket_mb * 2**20
-        self.rollout_peers: list = []  # separate placement: the rollout workers' actor handles
+        self.rollout_peers = None  # separate placement: the rollout workers' PeerGroup
         self.weight_group = None  # separate placement, broadcast transport, rank 0: the group with them
         self.rollout = None
         self.memory_peaks = PhaseMemory(self.context.device)
@@ -143,10 +143,11 @@ class ActorRolloutRefWorker(MegatronRole):
         self.residency.for_weight_sync()
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def attach_rollout_peers(self, peers: list) -> None:
-        """Separate placement: rank 0 streams every weight bucket to these rollout workers (and, with the
-        broadcast transport, opens the process group it broadcasts over)."""
-        self.rollout_peers = list(peers)
+    def attach_rollout_peers(self, peers) -> None:
+        """Separate placement: rank 0 streams every weight bucket to the rollout workers of ``peers`` (their
+        group's :class:`~megarl.controller.worker_group.PeerGroup`) and, with the broadcast transport, opens the
+        process group it broadcasts over."""
+        self.rollout_peers = peers
         rollout = self.cfg.actor_rollout_ref.rollout
         if self.rank_info.rank == 0 and rollout.weight_sync_transport == "broadcast":
             self.weight_group = open_weight_group(self.rollout_peers, self.context.device,
@@ -163,7 +164,7 @@ class ActorRolloutRefWorker(MegatronRole):
         self.residency.for_weight_sync()
         if self.rollout is not None:
             transport = ColocatedTransport(self.rollout)
-        elif self.rollout_peers and self.rank_info.rank == 0:
+        elif self.rollout_peers is not None and self.rank_info.rank == 0:
             timeout_s = self.cfg.trainer.worker_timeout_s
             if self.weight_group is not None:
                 transport = BroadcastTransport(self.rollout_peers, self.weight_group, timeout_s)
@@ -199,7 +200,7 @@ class ActorRolloutRefWorker(MegatronRole):
         return {**metrics, **stats.as_metrics()}
 
     # ---------------------------------------------------------------- training
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
     def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
         self.residency.for_training(weight_sync_follows=True)
         rollout = self.cfg.actor_rollout_ref.rollout
@@ -210,8 +211,8 @@ class ActorRolloutRefWorker(MegatronRole):
         # The driver's batches live on the CPU (it may have no GPU at all); never hand it device tensors.
         return LogProbs(log_probs.cpu(), entropy.cpu())
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
-    def compute_ref_log_probs(self, batch: TrainBatch):
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
+    def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         self.residency.for_training(weight_sync_follows=True)
         mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         if self.reference_is_base:
@@ -226,8 +227,9 @@ class ActorRolloutRefWorker(MegatronRole):
             log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
         return log_probs.cpu()
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
-    def update_actor(self, batch: TrainBatch) -> dict:
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0,
+              reads=MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights", "loss_mask"))
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         self.residency.for_training(weight_sync_follows=True)
         with self.memory_peaks.track("update_actor"):
             return self.actor.update_policy(batch, **self.update_arguments)
@@ -312,12 +314,13 @@ class CriticWorker(MegatronRole):
                         exclude_prefixes=("output_layer.",))
         self.critic.optimizer.reload_model_params()
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT)
-    def compute_values(self, batch: TrainBatch):
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         return self.critic.compute_values(batch).cpu()
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
-    def update_critic(self, batch: TrainBatch) -> dict:
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0,
+              reads=MODEL_INPUTS + ("values", "returns", "generated_mask"))
+    def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self.critic.update_critic(batch, **self.update_arguments)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)

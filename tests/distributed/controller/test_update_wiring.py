@@ -1,5 +1,5 @@
 """Every field of the actor update crosses the driver -> worker -> engine edge: through the driver's facade
-(``ActorRolloutRef.update``), the batch shipping (``SHIPPED_FIELDS``), the worker group, the worker and its
+(``ActorRolloutRef.update``), the batch shipping (``update_actor``'s declared reads), the worker group, the worker and its
 update arguments into the Megatron engine. With lr = 0 the model never moves, so the same call gives the same
 metrics, and a field perturbed alone must change them: a field dropped or replaced anywhere on the way changes
 nothing. (The same at the engine alone, and every loss option: tests/distributed/engines/megatron/
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from megarl.batch import TrainBatch
-from megarl.controller.roles import SHIPPED_FIELDS, start_workers
+from megarl.controller.dispatch import method_spec
+from megarl.controller.roles import start_workers
+from megarl.controller.workers import ActorRolloutRefWorker
 from megarl.run_config import load_config
 from tests.distributed.engines.megatron.test_loss_wiring import _perturbed
 from tests.numerics import untimed
@@ -52,7 +54,7 @@ def test_each_shipped_field_reaches_the_engine_through_the_driver(tmp_path):
         again = workers.actor.update(batch)
         assert untimed(again) == untimed(base)  # lr = 0: only the inputs move the metrics (wall time aside)
         unmoved = []
-        for field in SHIPPED_FIELDS["update_actor"]:
+        for field in method_spec(ActorRolloutRefWorker.update_actor).reads:
             metrics = workers.actor.update(_perturbed(batch, field))
             if all(abs(metrics.get(k, 0.0) - base[k]) <= 1e-6 * max(1.0, abs(base[k])) for k in ("pg_loss", "kl_loss", "grad_norm")):
                 unmoved.append(field)

@@ -6,10 +6,11 @@ differ only through what it was given). Against one baseline call:
 * each keyword option of ``ActorEngine.update_policy`` / ``CriticEngine.update_critic`` that shapes the loss,
   changed alone, changes a metric
   that the option is about (the table must name every keyword: a new option without a row fails here);
-* each field that ``SHIPPED_FIELDS["update_actor" / "update_critic"]`` sends to the worker, perturbed alone,
-  changes the metrics
+* each field that the worker methods' declarations (``@register(reads=...)`` on ``update_actor`` /
+  ``update_critic``) send to the worker, perturbed alone, changes the metrics
   (a field dropped on the way, or replaced by another, changes nothing);
-* the fields the engine reads are exactly the shipped ones (read through a batch that records its reads).
+* the fields the engine reads are exactly the declared ones, for the updates and for the forward-only calls
+  (log-probs, reference log-probs, values; read through a batch that records its reads).
 
 The same perturbations through the driver's facade and a real worker: tests/distributed/controller/
 test_update_wiring.py.
@@ -24,7 +25,8 @@ import pytest
 import torch
 
 from megarl.batch import TrainBatch
-from megarl.controller.roles import SHIPPED_FIELDS
+from megarl.controller.dispatch import method_spec
+from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
 from tests.dist_harness import run_distributed
 from tests.numerics import untimed
 
@@ -111,13 +113,13 @@ def _select_rows_unrecorded(select_rows):
 _FIELD_NAMES = {f.name for f in dataclasses.fields(TrainBatch)}
 
 
-def _record_reads(update, batch: TrainBatch) -> list[str]:
+def _record_reads(call, batch: TrainBatch) -> list[str]:
     import megarl.engines.megatron.engine as engine_module  # the shared epoch x mini-batch loop selects the rows
 
     if not getattr(engine_module.select_rows, "unrecorded", False):
         engine_module.select_rows = _select_rows_unrecorded(engine_module.select_rows)
     _RecordingBatch.read = set()
-    update(_RecordingBatch(**{f: getattr(batch, f) for f in _FIELD_NAMES}))
+    call(_RecordingBatch(**{f: getattr(batch, f) for f in _FIELD_NAMES}))
     return sorted(_RecordingBatch.read)
 
 
@@ -127,7 +129,7 @@ def _sweep(update, batch, base: dict, options: dict, method: str) -> dict:
         results[f"option:{option}"] = update(batch, **extra, **{option: value})
         if extra:
             results[f"option:{option}:reference"] = update(batch, **extra)
-    for field in SHIPPED_FIELDS[method]:
+    for field in method_spec(method).reads:
         results[f"field:{field}"] = update(_perturbed(batch, field))
     results["read"] = _record_reads(update, batch)
     return results
@@ -158,7 +160,9 @@ def _wiring_worker(rank):
     batch.loss_mask = batch.response_mask.clone()
     batch.loss_mask[::2, 1] = 0  # tool tokens, say
     results = {"actor": _sweep(lambda b, **changes: actor.update_policy(b, mini_batch_size=8, **{**BASE, **changes}),
-                               batch, BASE, OPTIONS, "update_actor")}
+                               batch, BASE, OPTIONS, ActorRolloutRefWorker.update_actor)}
+    # the forward-only calls the worker makes with a shipped batch (the reference engine is the same class)
+    results["log_probs_read"] = _record_reads(actor.compute_log_probs, batch)
 
     critic_config = tiny_config()
     critic = CriticEngine(model_provider=gpt_provider(critic_config), config=critic_config, optimizer_config=frozen,
@@ -169,7 +173,8 @@ def _wiring_worker(rank):
     batch.generated_mask = batch.loss_mask.clone()
     results["critic"] = _sweep(
         lambda b, **changes: critic.update_critic(b, mini_batch_size=8, **{**CRITIC_BASE, **changes}),
-        batch, CRITIC_BASE, CRITIC_OPTIONS, "update_critic")
+        batch, CRITIC_BASE, CRITIC_OPTIONS, CriticWorker.update_critic)
+    results["values_read"] = _record_reads(critic.compute_values, batch)
     return results
 
 
@@ -182,8 +187,10 @@ def _moved(a: dict, b: dict, names) -> bool:
     return any(abs(a.get(n, 0.0) - b.get(n, 0.0)) > 1e-6 * max(1.0, abs(a.get(n, 0.0))) for n in names)
 
 
-ROLES = {"actor": ("update_actor", "ActorEngine", "update_policy", OPTIONS, BASE, ("pg_loss", "loss", "kl_loss", "grad_norm")),
-         "critic": ("update_critic", "CriticEngine", "update_critic", CRITIC_OPTIONS, CRITIC_BASE, ("vf_loss", "grad_norm"))}
+ROLES = {"actor": (ActorRolloutRefWorker.update_actor, "ActorEngine", "update_policy", OPTIONS, BASE,
+                   ("pg_loss", "loss", "kl_loss", "grad_norm")),
+         "critic": (CriticWorker.update_critic, "CriticEngine", "update_critic", CRITIC_OPTIONS, CRITIC_BASE,
+                    ("vf_loss", "grad_norm"))}
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
@@ -214,11 +221,19 @@ def test_each_loss_option_reaches_the_loss_and_shows_in_its_metric(wiring, role,
     assert _moved(reference, results[f"option:{option}"], metrics), (option, reference, results[f"option:{option}"])
 
 
-@pytest.mark.parametrize("role, field", [(r, f) for r in sorted(ROLES) for f in SHIPPED_FIELDS[ROLES[r][0]]])
+@pytest.mark.parametrize("role, field", [(r, f) for r in sorted(ROLES) for f in method_spec(ROLES[r][0]).reads])
 def test_each_shipped_field_reaches_the_loss(wiring, role, field):
     assert _moved(wiring[role]["base"], wiring[role][f"field:{field}"], ROLES[role][5]), (role, field)
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
 def test_the_engine_reads_exactly_the_shipped_fields(wiring, role):
-    assert wiring[role]["read"] == sorted(SHIPPED_FIELDS[ROLES[role][0]])
+    assert wiring[role]["read"] == sorted(method_spec(ROLES[role][0]).reads)
+
+
+@pytest.mark.parametrize("results, methods", [
+    ("log_probs_read", (ActorRolloutRefWorker.compute_log_probs, ActorRolloutRefWorker.compute_ref_log_probs)),
+    ("values_read", (CriticWorker.compute_values,))])
+def test_the_forward_only_calls_read_exactly_the_declared_fields(wiring, results, methods):
+    for method in methods:
+        assert wiring[results] == sorted(method_spec(method).reads), method.__qualname__
