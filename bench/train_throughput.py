@@ -131,7 +131,7 @@ def build_actor(hf_cfg: dict, *, dtype: torch.dtype, micro_batch_size: int, lr: 
     from megatron.core.optimizer import OptimizerConfig
 
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.engine import MicroBatching
+    from megarl.engines.megatron.micro_batches import MicroBatching
     from megarl.engines.megatron.parallel import ParallelLayout
     from megarl.models.bridge import ModelBridge
 

@@ -36,7 +36,7 @@ from bench.shapes import qwen2_config
 
 def build_megatron_chunks(hf_cfg: dict, dtype: torch.dtype):
     from megarl.models.cpu_compat import cuda_tensors_on_cpu
-    from megarl.engines.megatron.engine import build_model_chunks
+    from megarl.engines.megatron.model_chunks import build_model_chunks
     from megarl.engines.megatron.parallel import ParallelLayout
     from megarl.models.bridge import ModelBridge
 

@@ -41,20 +41,17 @@ PHASES: dict[str, tuple[str, tuple[str, ...]]] = {
                    "actor_rollout_ref.rollout.gpu_memory_utilization",
                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size / pipeline_model_parallel_size "
                    "(more GPUs per model)")),
-    "generate": ("generation", _GENERATION_KNOBS),
-    "for_generation": ("wake-up of the rollout engine for generation", _GENERATION_KNOBS),
-    "for_training": ("the trainer's return to the device after generation",
-                     ("actor_rollout_ref.rollout.free_cache_engine=true (vLLM's KV cache and weights freed while "
-                      "Megatron trains)", "actor_rollout_ref.rollout.gpu_memory_utilization")),
-    "for_weight_sync": ("wake-up of the rollout engine's weights for the weight sync",
-                        ("actor_rollout_ref.rollout.weight_sync_bucket_mb",
-                         "actor_rollout_ref.rollout.gpu_memory_utilization")),
-    "sync_weights": ("weight sync (Megatron shards gathered into HF buckets for the rollout engine)",
+    "generate": ("generation (with the rollout engine's wake-up)", _GENERATION_KNOBS),
+    "sync_weights": ("weight sync (the rollout engine's weights woken up, Megatron shards gathered into HF buckets "
+                     "for it)",
                      ("actor_rollout_ref.rollout.weight_sync_bucket_mb (one bucket's size on the device)",
                       "actor_rollout_ref.rollout.gpu_memory_utilization")),
-    "compute_log_probs": ("old log-probs (the actor's forward pass)",
+    "compute_log_probs": ("old log-probs (the trainer's return to the device after generation, then the actor's "
+                          "forward pass)",
                           ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu (token budget, with "
-                           f"{_PACKING})", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")),
+                           f"{_PACKING})", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                           "actor_rollout_ref.rollout.free_cache_engine=true (vLLM's KV cache and weights freed "
+                           "while Megatron trains)")),
     "compute_ref_log_probs": ("reference log-probs",
                               ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                                "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",

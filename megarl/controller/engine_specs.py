@@ -55,7 +55,7 @@ def lora_serving(lora: LoRAConfig, separate_rollout: bool) -> bool:
 
 
 def lr_schedule(optim: OptimConfig, total_steps: int):
-    from megarl.engines.megatron.engine import LRScheduleConfig
+    from megarl.engines.megatron.lr_schedule import LRScheduleConfig
 
     decay = optim.lr_decay_steps or max(total_steps, optim.lr_warmup_steps + 1)
     return LRScheduleConfig(warmup_steps=optim.lr_warmup_steps, decay_steps=decay,

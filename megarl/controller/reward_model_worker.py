@@ -15,7 +15,7 @@ from megarl.batch import MODEL_INPUTS, TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import Collect, Dispatch, register
 from megarl.controller.megatron_role import MegatronRole
-from megarl.engines.megatron.engine import MicroBatching
+from megarl.engines.megatron.micro_batches import MicroBatching
 
 
 class RewardModelWorker(MegatronRole):

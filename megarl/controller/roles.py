@@ -92,19 +92,6 @@ class ActorRolloutRef:
     def __init__(self, group: RankGroup):
         self._group = group
 
-    # The device's phases (hybrid engine, :mod:`megarl.controller.device_residency`), named in the loop.
-    def for_generation(self) -> None:
-        """The rollout engine gets the device; the Megatron engines' offloaded parts leave it."""
-        self._group.call(ActorRolloutRefWorker.for_generation)
-
-    def for_training(self) -> None:
-        """The Megatron engines get the device; the rollout engine sleeps until the weight sync."""
-        self._group.call(ActorRolloutRefWorker.for_training)
-
-    def for_weight_sync(self) -> None:
-        """The actor's weights and the rollout engine's weight memory are both on the device."""
-        self._group.call(ActorRolloutRefWorker.for_weight_sync)
-
     def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
         """The actor's per-token log-probs and entropy of the responses."""
         return self._group.call(ActorRolloutRefWorker.compute_log_probs, batch)
@@ -117,7 +104,7 @@ class ActorRolloutRef:
         return self._group.call(ActorRolloutRefWorker.update_actor, batch)
 
     def sync_weights(self) -> dict[str, float]:
-        """The actor's weights into the rollout engines (after :meth:`for_weight_sync`); the metrics of the sync."""
+        """The actor's weights into the rollout engines; the metrics of the sync."""
         return self._group.call(ActorRolloutRefWorker.sync_weights)
 
     def attach_rollout_peers(self, rollout_group) -> None:

@@ -40,7 +40,8 @@ from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTra
 from megarl.controller.phase_memory import PhaseMemory
 from megarl.controller.rollout_replicas import form_rollout_replicas, generate_in_replica
 from megarl.controller.rollout_worker import build_rollout_engine_for, check_rollout_tensor_parallel
-from megarl.engines.megatron.engine import MicroBatching, copy_model_weights
+from megarl.engines.megatron.micro_batches import MicroBatching
+from megarl.engines.megatron.model_chunks import copy_model_weights
 from megarl.models.bridge import unwrap_model
 
 
@@ -127,20 +128,8 @@ class ActorRolloutRefWorker(MegatronRole):
             return generate_in_replica(self.rollout, prompt_token_ids, sampling, self.rollout_replica)
 
     # ---------------------------------------------------------------- the device's phases (hybrid engine)
-    # The driver names each phase change in its loop; the methods below also enter the phase they need, so
-    # a call out of order is still correct (entering the current phase again is free).
-    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def for_generation(self) -> None:
-        self.residency.for_generation()
-
-    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def for_training(self) -> None:
-        """The step's training phases: a weight sync follows them."""
-        self.residency.for_training(weight_sync_follows=True)
-
-    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def for_weight_sync(self) -> None:
-        self.residency.for_weight_sync()
+    # Each method below enters the phase it needs (self.residency, DeviceResidency): the driver never names
+    # phases, and entering the current phase again is free.
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def attach_rollout_peers(self, peers) -> None:

@@ -8,7 +8,9 @@ Columns (one row per prompt):
     extra_info    optional struct, map or JSON string; passed through to the reward function
 
 `RLDataset` tokenizes everything up front so overlong prompts are found (and reported) before training starts.
-`collate_prompts` left-pads a list of items into tensors. Sampling order and resume live in `sampler.py`.
+`collate_prompts` gathers a list of items into a batch (unpadded token ids: what the rollout engines take;
+the rollout batch pads prompt and response once, to the configured widths). Sampling order and resume live in
+`sampler.py`.
 
 With ``tools`` (function schemas; multi-turn rollouts) the chat template renders them into each prompt.
 
@@ -24,7 +26,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow.parquet as pq
-import torch
 
 REQUIRED_COLUMNS = ("reward_model",)
 TRUNCATION_MODES = ("error", "left", "right")
@@ -49,11 +50,10 @@ class PromptItem:
 
 @dataclass
 class PromptBatch:
-    """Left-padded prompt ids plus the per-prompt fields the reward side needs, in the same order."""
+    """Prompts' token ids (unpadded, as the rollout engines take them) plus the per-prompt fields the reward
+    side needs, in the same order."""
 
-    input_ids: torch.Tensor  # [B, L] long, left padded with pad_token_id
-    attention_mask: torch.Tensor  # [B, L] long, 1 on real tokens
-    position_ids: torch.Tensor  # [B, L] long, 0 at each prompt's first real token (0 on padding too)
+    prompt_ids: list[list[int]]
     raw_prompts: list[Any]
     ground_truths: list[Any]
     data_sources: list[str]
@@ -62,7 +62,7 @@ class PromptBatch:
     reward_styles: list[str | None] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return len(self.prompt_ids)
 
 
 class RLDataset:
@@ -193,24 +193,15 @@ class RLDataset:
         return input_ids[: self.max_prompt_length]
 
 
-def collate_prompts(items: Sequence[PromptItem], *, pad_token_id: int) -> PromptBatch:
-    """Left-pad items to the longest prompt (so generation appends on the right for every row)."""
+def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
+    """The items as one batch, in order."""
     if not items:
         raise ValueError("cannot collate an empty list of prompts")
-    longest = max(len(item.input_ids) for item in items)
-    input_ids = torch.full((len(items), longest), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(items), longest), dtype=torch.long)
-    for i, item in enumerate(items):
-        n = len(item.input_ids)
-        if n == 0:
+    for item in items:
+        if not item.input_ids:
             raise ValueError(f"prompt at dataset index {item.index} has no tokens")
-        input_ids[i, longest - n:] = torch.tensor(item.input_ids, dtype=torch.long)
-        attention_mask[i, longest - n:] = 1
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return PromptBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        prompt_ids=[list(item.input_ids) for item in items],
         raw_prompts=[item.raw_prompt for item in items],
         ground_truths=[item.ground_truth for item in items],
         data_sources=[item.data_source for item in items],

@@ -102,11 +102,8 @@ class ResumableSampler:
 class PromptLoader:
     """Collated `PromptBatch`es from an `RLDataset` in `ResumableSampler` order; resumable the same way."""
 
-    def __init__(
-        self, dataset: RLDataset, batch_size: int, *, seed: int, pad_token_id: int, shuffle: bool = True
-    ) -> None:
+    def __init__(self, dataset: RLDataset, batch_size: int, *, seed: int, shuffle: bool = True) -> None:
         self.dataset = dataset
-        self.pad_token_id = pad_token_id
         self.sampler = ResumableSampler(len(dataset), batch_size, seed=seed, shuffle=shuffle)
 
     def __len__(self) -> int:
@@ -117,7 +114,7 @@ class PromptLoader:
         return self.sampler.epoch
 
     def _collate(self, indices: list[int]) -> PromptBatch:
-        return collate_prompts([self.dataset[i] for i in indices], pad_token_id=self.pad_token_id)
+        return collate_prompts([self.dataset[i] for i in indices])
 
     def next_batch(self) -> PromptBatch:
         return self._collate(self.sampler.next_batch())

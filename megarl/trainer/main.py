@@ -44,8 +44,7 @@ def build_data(cfg: MegarlConfig, tokenizer, tools: Optional[dict] = None):
                          tools=[tool.schema for tool in tools.values()] if tools else None)
 
     train = dataset(d.train_files, "train")
-    loader = PromptLoader(train, d.train_batch_size, seed=d.seed, pad_token_id=tokenizer.pad_token_id,
-                          shuffle=d.shuffle)
+    loader = PromptLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
     val = dataset(d.val_files, "val") if d.val_files else None
     return loader, val
 

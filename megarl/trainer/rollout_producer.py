@@ -214,7 +214,7 @@ class RolloutProducer:
         prompts = self.next_prompts()
         new: list[Request] = []
         for row in range(len(prompts)):
-            ids = prompts.input_ids[row][prompts.attention_mask[row].bool()].tolist()
+            ids = prompts.prompt_ids[row]
             index = self.next_group
             self.next_group += 1
             group = Group(group_id=f"p{prompts.indices[row]}#{index}", prompt_ids=ids,

@@ -6,7 +6,7 @@ answering through the policy's rollout engine (``reward_model.judge.enable``). W
 on, the functions' score is the score, as it always was; with one on, the score is
 ``rm_weight * RM + function_weight * functions + judge.weight * judge`` (a source with weight 0 is not asked),
 see :func:`megarl.rewards.model_inputs.combine_scores`. The judge generates, so the trainer scores while the
-rollout engine has the device (before ``for_training``).
+rollout engine has the device (before the log-prob pass takes it back).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from megarl.batch import RolloutBatch
+from megarl.algorithms.dynamic_sampling import overlong_penalty
+from megarl.batch import RolloutBatch, TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import RewardManager, mean_by_source, place_scores_on_last_token
@@ -72,6 +73,19 @@ class SampleScorer:
             metrics.update({f"reward/{source}/combined_mean": mean
                             for source, mean in mean_by_source(batch.data_sources, scores.tolist()).items()})
         return place_scores_on_last_token(scores, batch.policy_mask), scores, metrics
+
+    def score_for_training(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sequence scores (with the overlong penalty when configured), also set as the batch's token-level
+        scores."""
+        batch.token_level_scores, scores, metrics = self.score(batch)
+        overlong = self.cfg.reward_model.overlong_buffer
+        if overlong.enable:
+            penalty = overlong_penalty(batch.response_lengths, max_response_length=self.cfg.data.max_response_length,
+                                       buffer_length=overlong.len, penalty_factor=overlong.penalty_factor)
+            scores = scores + penalty
+            batch.token_level_scores = place_scores_on_last_token(scores, batch.policy_mask)
+            metrics = {**metrics, "reward/overlong_penalty/mean": float(penalty.mean())}
+        return scores, metrics
 
     def judge(self, batch: RolloutBatch, responses: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
         """One greedy (by default) judgement per sample from the policy's rollout engine."""

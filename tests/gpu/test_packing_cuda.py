@@ -41,7 +41,7 @@ def _worker(rank, dtype_name):
 
     import megarl.models.sdpa_attention as sdpa_attention
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.engine import MicroBatching
+    from megarl.engines.megatron.micro_batches import MicroBatching
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
     from megarl.models.bridge import ModelBridge
 

@@ -9,7 +9,7 @@ Where results live: log-probs/entropy are computed on the last pipeline stage (e
 the same values after the vocab-parallel all-reduces) and broadcast over the pipeline group, so every rank
 of a DP replica returns the full ``[B_local, R]`` tensors for its own DP shard. Update metrics are reduced
 over DP and identical on all ranks. Micro-batches are padded rows or packed streams, by row count or token
-budget (:class:`~megarl.engines.megatron.engine.MicroBatching`). Leaves out: rollout-vs-train importance
+budget (:class:`~megarl.engines.megatron.micro_batches.MicroBatching`). Leaves out: rollout-vs-train importance
 correction (TIS).
 """
 
@@ -19,7 +19,9 @@ from typing import Optional
 
 from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
 from megarl.batch import TrainBatch
-from megarl.engines.megatron.engine import MegatronEngine, MicroBatching, average_metrics, response_log_probs
+from megarl.engines.megatron.engine import MegatronEngine, average_metrics
+from megarl.engines.megatron.micro_batches import MicroBatching
+from megarl.engines.megatron.row_outputs import response_log_probs
 from megarl.engines.megatron.packing import restore_row_order
 
 

@@ -21,7 +21,8 @@ import torch
 
 from megarl.algorithms import compute_value_loss
 from megarl.batch import TrainBatch
-from megarl.engines.megatron.engine import MegatronEngine, average_metrics, whole_sequence
+from megarl.engines.megatron.engine import MegatronEngine, average_metrics
+from megarl.engines.megatron.row_outputs import whole_sequence
 from megarl.engines.megatron.packing import response_positions_of, restore_row_order, scatter_to_rows
 
 _HEAD_SEED = 20240601

@@ -1,14 +1,15 @@
-"""The Megatron training engine core: model chunks, DDP, optimizer, LR schedule, micro-batched fwd/bwd.
+"""The Megatron training engine core: optimizer, micro-batched fwd/bwd, the PPO epoch loop.
 
 ``MegatronEngine`` owns what every megatron-backed role shares:
 
-* model chunks built by a ``model_provider(pre_process, post_process, vp_stage)`` callable, one per
-  virtual pipeline stage, wrapped in megatron's ``DistributedDataParallel`` when trainable;
+* model chunks (:mod:`megarl.engines.megatron.model_chunks`) built by a
+  ``model_provider(pre_process, post_process, vp_stage)`` callable, one per virtual pipeline stage, wrapped
+  in megatron's ``DistributedDataParallel`` when trainable;
 * ``get_megatron_optimizer`` (Adam/SGD, fp32 or bf16 with fp32 main params, distributed optimizer,
-  weight decay, gradient clipping, all from a megatron ``OptimizerConfig``) and an
-  ``OptimizerParamScheduler`` (warmup, constant/linear/cosine decay, min lr) from ``LRScheduleConfig``;
+  weight decay, gradient clipping, all from a megatron ``OptimizerConfig``) and the LR schedule
+  (:mod:`megarl.engines.megatron.lr_schedule`);
 * :meth:`MegatronEngine.make_micro_batches`: a ``TrainBatch`` shard as micro-batches, padded rows or
-  packed ``thd`` streams (optionally grouped by a token budget, :class:`MicroBatching`);
+  packed ``thd`` streams (optionally grouped by a token budget; :mod:`megarl.engines.megatron.micro_batches`);
 * :meth:`MegatronEngine.train_epochs`: the PPO epoch x mini-batch loop the actor and the critic share (one
   optimizer step per mini-batch, the loss normalised by a role-chosen token count over DP);
 * :meth:`MegatronEngine.run_micro_batches`: those micro-batches driven by ``get_forward_backward_func()``
@@ -39,10 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
-import math
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterable, Optional
 
@@ -50,188 +48,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.batch import TrainBatch, select_rows
-from megarl.models.cpu_compat import cuda_tensors_on_cpu
-from megarl.engines.megatron.logprob import compute_vocab_parallel_log_probs
-from megarl.engines.megatron.packing import (
-    pack_rows,
-    packed_length,
-    pad_rows,
-    plan_fixed_rows,
-    plan_token_budget,
-    response_positions_of,
-    row_token_counts,
-    scatter_to_rows,
-    shard_for_context_parallel,
-)
+from megarl.engines.megatron.lr_schedule import LRScheduleConfig, build_lr_scheduler
+from megarl.engines.megatron.micro_batches import MicroBatching, check_mini_batches, make_micro_batches
+from megarl.engines.megatron.model_chunks import ModelProvider, build_model_chunks
 from megarl.engines.megatron.parallel import current_rank_info, device_for_this_process
-from megarl.models.context_parallel import gather_sequence
-
-ModelProvider = Callable[[bool, bool, Optional[int]], torch.nn.Module]
+from megarl.models.cpu_compat import cuda_tensors_on_cpu
 # loss(micro_batch, output_of_last_stage) -> (scalar share of the step loss, {name: detached tensor})
 MicroBatchLoss = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-
-
-@dataclass(frozen=True)
-class LRScheduleConfig:
-    """Megatron ``OptimizerParamScheduler`` settings; the peak lr is ``OptimizerConfig.lr``."""
-
-    warmup_steps: int = 0
-    decay_steps: Optional[int] = None  # None: warmup_steps + 1 (only matters for non-constant styles)
-    decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root
-    min_lr: float = 0.0
-    init_lr: float = 0.0  # lr at step 0 of the warmup
-
-    def __post_init__(self):
-        styles = ("constant", "linear", "cosine", "inverse-square-root")
-        if self.decay_style not in styles:
-            raise ValueError(f"LRScheduleConfig.decay_style {self.decay_style!r} not in {styles}")
-        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
-            raise ValueError(
-                f"LRScheduleConfig.decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps})"
-            )
-
-
-def build_model_chunks(
-    *, model_provider: ModelProvider, config, ddp_config=None, wrap_with_ddp: bool = True,
-    chunk_hook: Optional[Callable[[torch.nn.Module, bool], None]] = None, one_dtype: Optional[torch.dtype] = None,
-    lora=None,
-) -> list[torch.nn.Module]:
-    """One model per virtual pipeline stage of this rank (megatron-LM ``get_model`` semantics).
-
-    ``lora`` (a :class:`~megarl.models.lora.LoRASpec`): the chunk's parameters frozen and adapters attached,
-    before ``chunk_hook(module, post_process)``, which may edit a chunk before DDP wrapping (the critic swaps
-    its head, which then trains with the adapters).
-    ``one_dtype``: every floating parameter in this dtype (torch's norms make fp32 weights in a bf16 model).
-    """
-    from megatron.core import parallel_state as mpu
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp is not None else None
-        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
-        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
-        module = model_provider(pre, post, stage)
-        if lora is not None:
-            from megarl.models.lora import attach_lora
-
-            attach_lora(module, lora)
-        if chunk_hook is not None:
-            chunk_hook(module, post)
-        if one_dtype is not None:
-            for param in module.parameters():
-                if param.is_floating_point() and param.dtype != one_dtype:
-                    param.data = param.data.to(one_dtype)
-        module.to(device_for_this_process())
-        for param in module.parameters():
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        chunks.append(module)
-    if not wrap_with_ddp:
-        return chunks
-    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    wrapped = [
-        # Only the first chunk gets buckets, as in megatron-LM (later chunks' grads overlap with compute).
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
-    for chunk in wrapped:
-        chunk.broadcast_params()  # DP replicas start from identical weights whatever their init RNG did
-    return wrapped
-
-
-def copy_model_weights(source_chunks, target_chunks) -> None:
-    """Copy every parameter of one engine's model chunks into another's of the same architecture and layout
-    (a reference model that starts as the actor's random initialisation)."""
-    from megarl.models.bridge import unwrap_model
-
-    for source, target in itertools.zip_longest(source_chunks, target_chunks):
-        if source is None or target is None:
-            raise ValueError("copy_model_weights: the two engines have different numbers of model chunks")
-        source_params = dict(unwrap_model(source).named_parameters())
-        with torch.no_grad():
-            for name, param in unwrap_model(target).named_parameters():
-                if name not in source_params or source_params[name].shape != param.shape:
-                    raise ValueError(f"copy_model_weights: parameter {name!r} has no twin of the same shape")
-                param.copy_(source_params[name])
-
-
-def build_lr_scheduler(optimizer, optimizer_config, schedule: LRScheduleConfig):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    decay_steps = schedule.decay_steps or schedule.warmup_steps + 1
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=schedule.init_lr if schedule.warmup_steps > 0 else optimizer_config.lr,
-        max_lr=optimizer_config.lr,
-        min_lr=schedule.min_lr,
-        lr_warmup_steps=schedule.warmup_steps,
-        lr_decay_steps=decay_steps,
-        lr_decay_style=schedule.decay_style,
-        start_wd=optimizer_config.weight_decay,
-        end_wd=optimizer_config.weight_decay,
-        wd_incr_steps=decay_steps,
-        wd_incr_style="constant",
-        # On resume the schedule comes from this run's config (a run extended to more steps, or given a new lr,
-        # gets them) and only the position (steps done) from the checkpoint: megatron-LM's
-        # --override-opt_param-scheduler. megatron's default keeps the checkpoint's values without a word.
-        override_opt_param_scheduler=True,
-        use_checkpoint_opt_param_scheduler=False,
-    )
-
-
-def response_log_probs(output: torch.Tensor, mb: dict, temperature: float,
-                       vocab_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy ``[b, R]`` of the response tokens from vocab-sharded logits (either layout)."""
-    from megatron.core import parallel_state as mpu
-
-    tp_group = mpu.get_tensor_model_parallel_group()
-    if "cp_bounds" in mb:
-        # This rank's positions scored against their next tokens, then every rank's gathered into rows.
-        per_position = compute_vocab_parallel_log_probs(output, mb["labels"], tp_group=tp_group,
-                                                        temperature=temperature, vocab_size=vocab_size)
-        return tuple(scatter_to_rows(response_positions_of(whole_sequence(values, mb), mb), mb)
-                     for values in per_position)
-    if mb.get("packed_seq_params") is None:
-        return compute_vocab_parallel_log_probs(response_positions_of(output, mb), mb["response_ids"],
-                                                tp_group=tp_group, temperature=temperature, vocab_size=vocab_size)
-    # Packed: score every next token of the stream and keep the response ones. Selecting the response
-    # logits first would copy them (and index_add a second logits-sized buffer in backward).
-    stream = mb["input_ids"][0]
-    log_probs, entropy = compute_vocab_parallel_log_probs(output[0, :-1], stream[1:], tp_group=tp_group,
-                                                          temperature=temperature, vocab_size=vocab_size)
-    index = mb["response_index"]
-    return scatter_to_rows(log_probs[index], mb), scatter_to_rows(entropy[index], mb)
-
-
-def whole_sequence(per_position: torch.Tensor, mb: dict) -> torch.Tensor:
-    """``[b, n, ...]`` results of this CP rank's positions -> ``[b, S, ...]`` of the whole sequence (every
-    CP rank's, in order; differentiable). Without context parallelism: unchanged."""
-    if "cp_bounds" not in mb:
-        return per_position
-    from megatron.core import parallel_state as mpu
-
-    gathered = gather_sequence(per_position.transpose(0, 1), mb["cp_bounds"], mpu.get_context_parallel_group(),
-                               downstream="replicated")
-    return gathered.transpose(0, 1)
-
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How a batch becomes micro-batches (see :mod:`megarl.engines.megatron.packing`).
-
-    ``sequence_packing``: rows' real tokens packed into one ``thd`` stream per micro-batch instead of rows
-    padded to P + R. ``max_tokens_per_micro_batch``: group rows by a real-token budget (needs packing)
-    instead of a fixed row count."""
-
-    sequence_packing: bool = False
-    max_tokens_per_micro_batch: Optional[int] = None
-
-    def __post_init__(self):
-        if self.max_tokens_per_micro_batch is not None and not self.sequence_packing:
-            raise ValueError("max_tokens_per_micro_batch needs sequence_packing=True (padded micro-batches "
-                             "cost P + R tokens per row whatever the budget says)")
 
 
 class MegatronEngine:
@@ -322,40 +145,16 @@ class MegatronEngine:
     def make_micro_batches(self, batch: TrainBatch, fields: Iterable[str] = (), *,
                            micro_batch_size: Optional[int] = None,
                            max_tokens: Optional[int] = None) -> list[dict]:
-        """This rank's micro-batches of ``batch`` in the engine's layout; the per-token ``fields`` ride along.
-
-        Rows are grouped by ``max_tokens`` real tokens (default: the engine's budget) when packing with a
-        budget, else ``micro_batch_size`` (default: the engine's) consecutive rows. Packed streams are
-        padded to a multiple of TP (sequence parallelism splits them) and, with pipeline stages, to the
-        longest stream of the step (one activation shape per step). With context parallelism each CP rank
-        gets its share of every micro-batch (see the module docstring)."""
+        """This rank's micro-batches of ``batch`` in the engine's layout (:func:`make_micro_batches`), by default
+        with the engine's micro-batch size and token budget; the per-token ``fields`` ride along."""
         from megatron.core import parallel_state as mpu
 
-        device = device_for_this_process()
-        fields = tuple(fields)
-        packing = self.micro_batching
-        budget = max_tokens or packing.max_tokens_per_micro_batch
+        interleaved = len(self.model) > 1
         pp = mpu.get_pipeline_model_parallel_world_size()
-        cp = mpu.get_context_parallel_world_size()
-        segment_multiple = 2 * cp if cp > 1 else 1
-        if packing.sequence_packing and budget is not None:
-            # the interleaved schedule wants whole groups of micro-batches
-            multiple = (self.config.microbatch_group_size_per_vp_stage or pp) if len(self.model) > 1 else 1
-            plan = plan_token_budget(row_token_counts(batch, segment_multiple), budget * cp, multiple_of=multiple)
-        else:
-            plan = plan_fixed_rows(len(batch), micro_batch_size or self.micro_batch_size)
-        if not packing.sequence_packing:
-            micro_batches = [pad_rows(batch, rows, fields, device) for rows in plan]
-        else:
-            multiple = mpu.get_tensor_model_parallel_world_size() * segment_multiple
-            pad_to = (max(packed_length(batch, rows, multiple, segment_multiple) for rows in plan)
-                      if pp > 1 else None)
-            micro_batches = [pack_rows(batch, rows, fields, device, pad_to=pad_to, multiple_of=multiple,
-                                       segment_multiple_of=segment_multiple) for rows in plan]
-        if cp > 1:
-            rank = mpu.get_context_parallel_rank()
-            micro_batches = [shard_for_context_parallel(mb, cp, rank) for mb in micro_batches]
-        return micro_batches
+        group = (self.config.microbatch_group_size_per_vp_stage or pp) if interleaved else 1
+        return make_micro_batches(batch, fields, micro_batching=self.micro_batching,
+                                  micro_batch_size=micro_batch_size or self.micro_batch_size, max_tokens=max_tokens,
+                                  interleave_group=group)
 
     def run_micro_batches(
         self, micro_batches: list[dict], *, loss: MicroBatchLoss, forward_only: bool,
@@ -532,13 +331,3 @@ def average_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
     if not steps:
         return {}
     return {k: sum(s[k] for s in steps) / (1 if k.endswith("_s") else len(steps)) for k in steps[0]}
-
-
-def check_mini_batches(rows: int, mini_batch_size: int, micro_batch_size: Optional[int]) -> int:
-    """Number of mini-batches (optimizer steps per epoch); sizes are local to this DP rank.
-    ``micro_batch_size`` None: micro-batches by token budget, any mini-batch size goes."""
-    if mini_batch_size < 1 or rows % mini_batch_size:
-        raise ValueError(f"mini_batch_size={mini_batch_size} must divide the {rows} local rows")
-    if micro_batch_size is not None and mini_batch_size % micro_batch_size:
-        raise ValueError(f"micro_batch_size={micro_batch_size} must divide mini_batch_size={mini_batch_size}")
-    return math.ceil(rows / mini_batch_size)

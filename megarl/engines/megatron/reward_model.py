@@ -17,7 +17,8 @@ import torch
 
 from megarl.batch import TrainBatch
 from megarl.engines.megatron.critic import attach_value_head
-from megarl.engines.megatron.engine import MegatronEngine, whole_sequence
+from megarl.engines.megatron.engine import MegatronEngine
+from megarl.engines.megatron.row_outputs import whole_sequence
 from megarl.engines.megatron.packing import last_token_values, restore_row_order
 
 

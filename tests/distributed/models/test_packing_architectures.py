@@ -14,7 +14,7 @@ from tests.numerics import FP32_REORDERED, assert_close_to_scale
 
 def _log_probs_both_ways(rank, arch, cp=1):
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.engine import MicroBatching
+    from megarl.engines.megatron.micro_batches import MicroBatching
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
     from megarl.models.bridge import ModelBridge
     from megarl.models.tiny import tiny_hf_config

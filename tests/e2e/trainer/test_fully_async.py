@@ -37,7 +37,7 @@ def producer_parts(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.actor_rollout_ref.model.path)))
     loader, _ = build_data(cfg, tokenizer)
     group = InProcessWorkerGroup(RolloutWorker, device="cpu", init_kwargs=dict(cfg=cfg), name_prefix="rollout")
-    yield cfg, Rollout(group), loader
+    yield cfg, Rollout(group, RolloutWorker.generate), loader
     group.shutdown()
 
 
@@ -51,7 +51,7 @@ def _after_first_call(producer) -> None:
 
 
 def _producer(cfg, rollout, loader, **overrides):
-    from megarl.trainer.loop import build_producer
+    from megarl.trainer.rollout_modes import build_producer
 
     producer = build_producer(cfg, rollout, loader)
     for name, value in overrides.items():

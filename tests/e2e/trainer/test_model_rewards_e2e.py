@@ -81,9 +81,10 @@ def test_judge_scores_are_the_rollout_engines_parsed_judgements(tmp_path):
     group = InProcessWorkerGroup(RolloutWorker, device="cpu", init_kwargs=dict(cfg=cfg), name_prefix="rollout")
     calls = []
     call = group.call
-    group.call = lambda method, *args: calls.append((method, len(args[0][0]))) or call(method, *args)
+    group.call = lambda method, *args: calls.append((method.__name__, len(args[0][0]))) or call(method, *args)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg.actor_rollout_ref.model.path)))
-    scorer = SampleScorer(cfg, tokenizer=tokenizer, reward_manager=RewardManager(), rollout=Rollout(group))
+    scorer = SampleScorer(cfg, tokenizer=tokenizer, reward_manager=RewardManager(),
+                          rollout=Rollout(group, RolloutWorker.generate))
     questions = ["what is 1+2?", "what is 3+4?", "what is 0+5?"]
     responses = ["3", "8", "5"]
     messages = [[{"role": "user", "content": q}] for q in questions]

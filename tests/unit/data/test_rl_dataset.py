@@ -5,7 +5,6 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from megarl.data.dataset import RLDataset, collate_prompts
@@ -139,22 +138,15 @@ def test_raw_string_prompts_without_chat_template(tmp_path, tokenizer):
                   apply_chat_template=False)
 
 
-def test_collate_left_pads(tmp_path, tokenizer):
+def test_collate_keeps_each_prompts_tokens_unpadded(tmp_path, tokenizer):
     ds = RLDataset(_write(tmp_path / "c.parquet", ["copy 1", "copy 1234", "add 12 3"], ["1", "1234", "15"]),
                    tokenizer, max_prompt_length=64)
-    batch = collate_prompts([ds[0], ds[1], ds[2]], pad_token_id=tokenizer.pad_token_id)
-    lengths = [len(ds[i].input_ids) for i in range(3)]
-    longest = max(lengths)
-    assert batch.input_ids.shape == (3, longest) and len(batch) == 3
-    for row, n in enumerate(lengths):
-        expected_ids = [0] * (longest - n) + ds[row].input_ids
-        assert batch.input_ids[row].tolist() == expected_ids
-        assert batch.attention_mask[row].tolist() == [0] * (longest - n) + [1] * n
-        assert batch.position_ids[row].tolist() == [0] * (longest - n) + list(range(n))
+    batch = collate_prompts([ds[0], ds[1], ds[2]])
+    assert len(batch) == 3 and len({len(ids) for ids in batch.prompt_ids}) > 1
+    assert batch.prompt_ids == [ds[row].input_ids for row in range(3)]
     assert batch.ground_truths == ["1", "1234", "15"] and batch.indices == [0, 1, 2]
-    assert batch.input_ids.dtype == torch.long
     with pytest.raises(ValueError, match="empty list"):
-        collate_prompts([], pad_token_id=0)
+        collate_prompts([])
 
 
 def test_empty_parquet_says_empty(tmp_path, tokenizer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def rm_scores_for_layouts(rank: int, runs: list, hf_dirs: dict, batch) -> dict:
     """``runs``: [(label, layout kwargs, sequence packing)]; every checkpoint of ``hf_dirs`` scored at each."""
-    from megarl.engines.megatron.engine import MicroBatching
+    from megarl.engines.megatron.micro_batches import MicroBatching
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
     from megarl.engines.megatron.reward_model import RewardModelEngine
     from megarl.models.bridge import ModelBridge

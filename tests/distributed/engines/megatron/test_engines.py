@@ -28,7 +28,7 @@ def _actor(tp=1, pp=1, micro_batch_size=2, lr=2e-3):
     from megatron.core.optimizer import OptimizerConfig
 
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.engine import LRScheduleConfig
+    from megarl.engines.megatron.lr_schedule import LRScheduleConfig
     from tests.distributed.engines.megatron.tiny_setup import gpt_provider, tiny_config
 
     config = tiny_config(tp=tp, pp=pp)

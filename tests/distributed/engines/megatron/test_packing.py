@@ -108,7 +108,7 @@ def _engines(tp, pp, sp):
 
     from megarl.engines.megatron.actor import ActorEngine
     from megarl.engines.megatron.critic import CriticEngine
-    from megarl.engines.megatron.engine import MicroBatching
+    from megarl.engines.megatron.micro_batches import MicroBatching
     from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
     from tests.distributed.engines.megatron.tiny_setup import gpt_provider, tiny_config
 

@@ -34,7 +34,7 @@ def _actor(bridge, layout, hf_dir):
     from megatron.core.optimizer import OptimizerConfig
 
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.engine import LRScheduleConfig
+    from megarl.engines.megatron.lr_schedule import LRScheduleConfig
     from megarl.models.hf_checkpoint import load_hf_weights
 
     config = bridge.transformer_config(layout=layout, perform_initialization=False)
