@@ -37,8 +37,8 @@ FULL_DENSE, FULL_MOE = 3, 58
 
 def child(hf: str, out: str, workers: int, budget: int) -> None:
     import megarl.models.bridge  # noqa: F401  (imports are baseline)
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.convert.memory import current_rss_bytes, largest_child_peak_rss_bytes, peak_rss_bytes
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.memory import current_rss_bytes, largest_child_peak_rss_bytes, peak_rss_bytes
 
     baseline = current_rss_bytes()
     started = time.perf_counter()
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--config", default=os.path.join(REPO, "megarl", "models", "reference_configs", "deepseek_v3",
                                                          "config.json"), help="a DeepSeek-V3-style config.json")
     args = parser.parse_args()
-    from megarl.models.convert.synthetic import deepseek_v3_tensors, write_synthetic_checkpoint
+    from megarl.checkpoint_io.synthetic import deepseek_v3_tensors, write_synthetic_checkpoint
 
     with open(args.config) as handle:
         base = json.load(handle)

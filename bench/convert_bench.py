@@ -119,11 +119,11 @@ def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int
     import torch
 
     import megarl.models.bridge  # noqa: F401  (imported before the clock starts)
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
     import logging
 
-    from megarl.models.convert.memory import current_rss_bytes, largest_child_peak_rss_bytes, peak_rss_bytes
+    from megarl.checkpoint_io.memory import current_rss_bytes, largest_child_peak_rss_bytes, peak_rss_bytes
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the run's timing summary
     meta = torch.empty(4, 4, device="meta")  # torch's one-off meta-kernel registration is baseline
@@ -197,7 +197,7 @@ def main() -> None:
     try:
         hf = args.hf
         if hf is None:
-            from megarl.models.convert.synthetic import write_synthetic_llama_checkpoint
+            from megarl.checkpoint_io.synthetic import write_synthetic_llama_checkpoint
 
             import torch
 

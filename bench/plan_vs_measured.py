@@ -85,7 +85,7 @@ def _run_child(hf_cfg: dict, shape: dict) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from bench.measure import bring_up_single_rank
-    from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
+    from megarl.checkpoint_io.memory import current_rss_bytes, peak_rss_bytes
     from megarl.batch import TrainBatch
     from megarl.engines.megatron.actor import ActorEngine
     from megarl.models.cpu_compat import enable_cpu_compat

@@ -9,7 +9,7 @@ The default ``--format torch_dist`` writes megatron-core's dist-checkpointing fo
 ``<out>/latest_checkpointed_iteration.txt``; models at any TP/PP/EP load it (megarl: set
 ``actor_rollout_ref.actor.megatron.use_dist_checkpointing=true`` and ``dist_checkpointing_path=<out>``).
 ``per_rank`` writes megarl's per-rank safetensors, fixed to ``--tp/--pp/--ep``. Rerunning the same command
-after an interruption resumes (finished parts are kept). Library code: :mod:`megarl.models.convert.hf_to_mcore`.
+after an interruption resumes (finished parts are kept). Library code: :mod:`megarl.checkpoint_io.hf_to_mcore`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.convert.memory import parse_size
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.memory import parse_size
 
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
     convert_hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep,

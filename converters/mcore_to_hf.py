@@ -8,7 +8,7 @@
 ``global_step_N/actor``, a Megatron-LM ``--save`` directory or one of its ``iter_*`` directories), saved at any
 layout; for those, ``--hf-config`` names the HF model directory whose config.json and tokenizer describe it.
 The output loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Rerunning after an interruption
-resumes. Library code: :mod:`megarl.models.convert.mcore_to_hf`.
+resumes. Library code: :mod:`megarl.checkpoint_io.mcore_to_hf`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from megarl.models.convert.memory import parse_size
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io.memory import parse_size
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
 
     convert_mcore_to_hf(args.mcore, args.out, max_shard_bytes=parse_size(args.max_shard_size), workers=args.workers,
                         hf_config_dir=args.hf_config)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megarl.checkpoint_files import publish, temporary_name
+from megarl.checkpoint_io.files import publish, temporary_name
 
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 REWARD_MODEL_TYPE = pa.struct([("ground_truth", pa.string()), ("style", pa.string())])

@@ -34,9 +34,9 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from megarl.checkpoint_files import write_json_atomically
+from megarl.checkpoint_io.files import write_json_atomically
 from megarl.models.bridge import unwrap_model
-from megarl.models.convert.safetensors_stream import (
+from megarl.checkpoint_io.safetensors_stream import (
     TensorLocation, file_crc32, read_safetensors_header, read_tensor,
 )
 

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from megarl.checkpoint_files import TRACKER_FILE, mark_latest, tracked_iteration, write_atomically
+from megarl.checkpoint_io.files import TRACKER_FILE, mark_latest, tracked_iteration, write_atomically
 from megarl.engines.megatron.checkpoint import has_complete_checkpoint
 
 MARKER = TRACKER_FILE  # Megatron-LM's tracker, here naming the newest complete global_step_N

@@ -103,7 +103,7 @@ def save_peft_adapter(named: NamedTensors, config: dict, out_dir: str | os.PathL
     """Write a PEFT adapter directory (weights first, the config last: a directory without it is not an adapter)."""
     from safetensors.torch import save_file
 
-    from megarl.checkpoint_files import publish, temporary_name, write_json_atomically
+    from megarl.checkpoint_io.files import publish, temporary_name, write_json_atomically
 
     out = Path(out_dir)
     if (out / ADAPTER_CONFIG).exists():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from megarl.checkpoint_files import write_json_atomically
-from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names
+from megarl.checkpoint_io.files import write_json_atomically
+from megarl.checkpoint_io.hf_index import INDEX_FILE, hf_asset_names
 from megarl.weight_sync.buckets import NamedTensors, tensor_bytes
 from megarl.weight_sync.transport import WeightTransport
 

@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_files import TRACKER_FILE, mark_latest, tracked_iteration
-from megarl.models.convert.torch_dist import iteration_dir_name
+from megarl.checkpoint_io.files import TRACKER_FILE, mark_latest, tracked_iteration
+from megarl.checkpoint_io.torch_dist_layout import iteration_dir_name
 from megarl.models.cpu_compat import cuda_tensors_on_cpu
 
 

@@ -8,14 +8,14 @@ warm-up conversion of nothing, so that what remains is the conversion's own work
 import json
 import sys
 
-from megarl.models.convert.memory import current_rss_bytes, peak_rss_bytes
+from megarl.checkpoint_io.memory import current_rss_bytes, peak_rss_bytes
 
 
 def main() -> None:
     import megarl.models.bridge  # noqa: F401  (import cost is baseline, not conversion memory)
     import transformers  # noqa: F401
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
 
     import torch
 

@@ -20,7 +20,7 @@ LAYOUTS = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
 def test_converted_checkpoint_matches_hf_logits(layout_name, tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     layout, sizes, archs = LAYOUTS[layout_name]
@@ -48,7 +48,7 @@ def test_converted_checkpoint_matches_hf_logits(layout_name, tmp_path):
 
 @pytest.mark.timeout(200)
 def test_strict_loader_names_missing_and_misshapen_tensors(tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("llama", tmp_path / "hf", seed=7)

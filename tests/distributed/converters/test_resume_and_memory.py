@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megarl.models.convert.execution import KILL_AFTER_ENV, PROGRESS_FILE
+from megarl.checkpoint_io.execution import KILL_AFTER_ENV, PROGRESS_FILE
 from tests.paths import REPO
 
 
@@ -32,7 +32,7 @@ def _cli(args, env_extra=None):
 
 @pytest.mark.timeout(300)
 def test_killed_conversion_resumes_to_identical_output(tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("llama", tmp_path / "hf", seed=9)
@@ -64,7 +64,7 @@ def test_killed_conversion_resumes_to_identical_output(tmp_path):
 
 
 def test_resume_with_different_options_is_refused(tmp_path):
-    from megarl.models.convert.execution import ProgressManifest
+    from megarl.checkpoint_io.execution import ProgressManifest
 
     ProgressManifest(str(tmp_path), "hash-a")
     with pytest.raises(ValueError, match="different inputs or options"):
@@ -77,7 +77,7 @@ SLACK = 48 * 2**20  # python objects of the plan, tqdm, allocator granularity
 
 @pytest.mark.timeout(300)
 def test_peak_rss_stays_within_budget_independent_of_model_size(tmp_path):
-    from megarl.models.convert.synthetic import write_synthetic_llama_checkpoint
+    from megarl.checkpoint_io.synthetic import write_synthetic_llama_checkpoint
 
     total = write_synthetic_llama_checkpoint(str(tmp_path / "hf"), hidden_size=512, num_layers=48,
                                              intermediate_size=2048, vocab_size=4096, shard_bytes=200 * 2**20)
@@ -91,7 +91,7 @@ def test_peak_rss_stays_within_budget_independent_of_model_size(tmp_path):
     used = numbers["peak"] - numbers["baseline"]
     assert used < BUDGET + SLACK, f"conversion used {used / 2**20:.0f} MiB over its baseline"
     assert used < total / 4  # far below holding the model: the bound is real
-    from megarl.models.convert.torch_dist import TorchDistReader
+    from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
 
     reader = TorchDistReader(str(tmp_path / "mc"))  # the default format: one torch_dist checkpoint
     assert reader.shape("decoder.layers.mlp.linear_fc1.weight") == (48, 4096, 512)

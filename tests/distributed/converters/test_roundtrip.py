@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from megarl.models.convert.hf_index import index_hf_safetensors
-from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
-from megarl.models.convert.safetensors_stream import read_tensor
+from megarl.checkpoint_io.hf_index import index_hf_safetensors
+from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
+from megarl.checkpoint_io.safetensors_stream import read_tensor
 from megarl.models.mcore_checkpoint import read_metadata, read_rank_state_dict, validate_mcore_checkpoint
 
 LAYOUTS = {  # arch: (tp, pp, ep, overrides)

@@ -20,11 +20,12 @@ import sys
 import pytest
 import torch
 
-from megarl.models.convert.execution import KILL_AFTER_ENV, PROGRESS_FILE
-from megarl.models.convert.hf_index import index_hf_safetensors
-from megarl.models.convert.safetensors_stream import read_tensor
-from megarl.checkpoint_files import TRACKER_FILE
-from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR, TorchDistReader
+from megarl.checkpoint_io.execution import KILL_AFTER_ENV, PROGRESS_FILE
+from megarl.checkpoint_io.hf_index import index_hf_safetensors
+from megarl.checkpoint_io.safetensors_stream import read_tensor
+from megarl.checkpoint_io.files import TRACKER_FILE
+from megarl.checkpoint_io.torch_dist_layout import ITERATION_DIR, PARTS_DIR
+from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
 from tests.distributed.converters import mcore_load_workers
 from tests.dist_harness import run_distributed
 from tests.distributed.models.bridge_workers import hf_logits, sample_tokens
@@ -42,7 +43,7 @@ LAYOUTS = {  # name: (processes, layout, architectures)
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """Each architecture converted once (default options), with its HF logits on sample tokens."""
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     root = tmp_path_factory.mktemp("torch_dist")
@@ -57,8 +58,8 @@ def converted(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunks_read_in_place_equal_the_chunks_of_the_fused_parameter(arch, tmp_path):
-    from megarl.models.convert import hf_to_mcore as h
-    from megarl.models.convert.torch_dist import checkpoint_layout
+    from megarl.checkpoint_io import hf_to_mcore as h
+    from megarl.checkpoint_io.torch_dist_layout import checkpoint_layout
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     # a vocabulary megatron pads (1000 -> 1024 rows) and a few tensors per file
@@ -126,9 +127,9 @@ def test_the_checkpoint_has_megatron_lms_layout(converted):
 def test_hf_torch_dist_hf_is_bit_exact_in_parts_and_workers(arch, tmp_path, monkeypatch):
     import transformers
 
-    from megarl.models.convert import safetensors_stream
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io import safetensors_stream
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     source = save_tiny_hf_checkpoint(arch, tmp_path / "hf", seed=3)
@@ -166,8 +167,8 @@ def _all_keys(path):
 def test_workers_forked_by_the_command_and_from_the_fork_server_write_the_same_checkpoint(tmp_path, monkeypatch):
     """The command line is one thread, so it forks its workers itself; a process running other threads (here
     made to look so) starts them from the fork server. Both give the checkpoint one process writes."""
-    from megarl.models.convert import execution
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io import execution
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("qwen2", tmp_path / "hf", seed=4)
@@ -185,7 +186,7 @@ def test_workers_forked_by_the_command_and_from_the_fork_server_write_the_same_c
 
 @pytest.mark.timeout(300)
 def test_killed_conversion_resumes_to_the_same_checkpoint(tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=9)
@@ -218,7 +219,7 @@ def test_a_worker_killed_mid_part_fails_the_run_at_once_and_the_rerun_finishes(t
     """A dead worker (SIGKILL, as the OOM killer sends) must not leave the parent waiting for its result."""
     import time
 
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("qwen2", tmp_path / "hf", seed=5)
@@ -237,7 +238,7 @@ def test_a_worker_killed_mid_part_fails_the_run_at_once_and_the_rerun_finishes(t
 
 
 def test_weights_that_do_not_match_the_config_are_named_and_nothing_is_marked_complete(tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("llama", tmp_path / "hf", seed=1)
@@ -251,7 +252,7 @@ def test_weights_that_do_not_match_the_config_are_named_and_nothing_is_marked_co
 
 
 def test_a_truncated_shard_is_named(tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("qwen2", tmp_path / "hf", seed=1)
@@ -267,7 +268,7 @@ def test_a_truncated_shard_is_named(tmp_path):
 def test_a_part_whose_data_is_gone_is_named_when_read(converted, tmp_path):
     import shutil
 
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
 
     damaged = tmp_path / "damaged"
     shutil.copytree(converted["llama"]["ckpt"], damaged)
@@ -286,7 +287,7 @@ def test_a_full_disk_is_said_in_words_and_the_conversion_resumes_once_there_is_r
     tracker file is written, and after the tmpfs grows the same call finishes from the parts already there."""
     import errno
 
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     hf_dir = save_tiny_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=9)
@@ -313,7 +314,7 @@ def test_a_config_that_does_not_match_the_checkpoint_is_named_on_the_way_back(co
     """mcore_to_hf with another model's config.json (wider MLP): named before anything is written."""
     import shutil
 
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
 
     other = tmp_path / "other_config"
     shutil.copytree(converted["llama"]["hf"], other)

@@ -22,10 +22,10 @@ def _config(out: Path, *overrides: str):
 
 @pytest.mark.timeout(900)
 def test_training_starts_from_a_converted_checkpoint_and_its_checkpoint_converts_back(tmp_path):
-    from megarl.models.convert.hf_index import index_hf_safetensors
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.convert.mcore_to_hf import convert_mcore_to_hf
-    from megarl.models.convert.safetensors_stream import read_tensor
+    from megarl.checkpoint_io.hf_index import index_hf_safetensors
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
+    from megarl.checkpoint_io.safetensors_stream import read_tensor
     from megarl.models.embedded import resolve_model_path
     from megarl.trainer.main import run
 

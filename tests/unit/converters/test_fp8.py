@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from megarl.models.convert.fp8 import dequantize_fp8_blockwise, fp8_block_size
-from megarl.models.convert.hf_index import index_hf_safetensors
-from megarl.models.convert.safetensors_stream import PlannedTensor, StreamingSafetensorsWriter, read_tensor
+from megarl.checkpoint_io.fp8 import dequantize_fp8_blockwise, fp8_block_size
+from megarl.checkpoint_io.hf_index import index_hf_safetensors
+from megarl.checkpoint_io.safetensors_stream import PlannedTensor, StreamingSafetensorsWriter, read_tensor
 
 
 def reference_dequant(weight, scale_inv, block, dtype):
@@ -85,7 +85,7 @@ def _rewrite(hf_dir, out_dir, transform, config_update):
 
 @pytest.mark.timeout(120)
 def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, caplog):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.mcore_checkpoint import read_metadata, read_rank_state_dict
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
@@ -136,7 +136,7 @@ def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, ca
                 checked += got[name].dtype == torch.bfloat16
     assert checked > 20  # the dequantised weights really were compared
     # the torch_dist format (the default) dequantises the same way: every key equal to the twin's
-    from megarl.models.convert.torch_dist import TorchDistReader
+    from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
 
     convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "td_fp8")
     convert_hf_to_mcore(tmp_path / "ref", tmp_path / "td_ref")
@@ -148,7 +148,7 @@ def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, ca
 
 
 def test_unmapped_hf_tensor_is_refused_by_name(tmp_path):
-    from megarl.models.convert.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     source = save_tiny_hf_checkpoint("llama", tmp_path / "hf", seed=1)

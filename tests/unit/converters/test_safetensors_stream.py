@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megarl.models.convert.safetensors_stream import (
+from megarl.checkpoint_io.safetensors_stream import (
     FileBytes, PlannedTensor, StreamingSafetensorsWriter, map_rows, read_safetensors_header, read_tensor,
 )
 

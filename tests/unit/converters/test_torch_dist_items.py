@@ -7,7 +7,7 @@ import io
 import torch
 import torch.distributed.checkpoint as dcp
 
-from megarl.models.convert.torch_dist import TorchDistReader
+from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
 
 
 def test_mapped_items_equal_the_loaded_ones_and_only_plain_float_tensors_are_mapped(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """Run a conversion plan: independent tasks (each writes a few whole files), resumable, optionally parallel.
 
 A plan is a list of :class:`Task` s; a task writes one or more output files completely (through
-:class:`~megarl.models.convert.safetensors_stream.StreamingSafetensorsWriter`, so each file appears
+:class:`~megarl.checkpoint_io.safetensors_stream.StreamingSafetensorsWriter`, so each file appears
 atomically). The parent process records every finished file in ``.convert_progress.jsonl`` (size and
 CRC32, one fsynced line per file) under the output directory. The first line holds a hash of the
 plan: rerunning with the same inputs and options resumes (finished tasks are skipped, stray temp
@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-from megarl.checkpoint_files import fsync_directory
-from megarl.models.convert.safetensors_stream import PlannedTensor
+from megarl.checkpoint_io.files import fsync_directory
+from megarl.checkpoint_io.safetensors_stream import PlannedTensor
 
 logger = logging.getLogger(__name__)
 

@@ -3,11 +3,11 @@ streaming.
 
 torch_dist (:func:`_convert_torch_dist_to_hf`): megatron's own chunks of each parameter, read from wherever
 the checkpoint stored them (any layout it was saved at: converted, or saved by megarl's or Megatron-LM's
-training) by :class:`~megarl.models.convert.torch_dist.TorchDistReader`, assembled into the TP=1 parameter,
+training) by :class:`~megarl.checkpoint_io.torch_dist_reader.TorchDistReader`, assembled into the TP=1 parameter,
 split into HF tensors. The rest of this docstring is the per-rank path; both write the same HF layout.
 
 Plan on headers and meta tensors: for every global parameter the bridge lists, find the rank that
-holds it (pipeline stage and expert rank from :mod:`~megarl.models.convert.placement`) and its TP
+holds it (pipeline stage and expert rank from :mod:`~megarl.checkpoint_io.placement`) and its TP
 shards' locations, run the bridge's ``merge_tp`` and ``mcore_to_hf`` on meta tensors to learn the HF
 names/shapes, and pack the HF tensors into shards of at most ``max_shard_bytes`` (one global
 parameter's HF tensors stay together). Execute: per HF shard, read the TP shards of ONE global
@@ -36,13 +36,13 @@ from typing import Optional
 import torch
 
 from megarl.models import mcore_checkpoint as fmt
-from megarl.models.convert.execution import (
+from megarl.checkpoint_io.execution import (
     OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks,
 )
-from megarl.checkpoint_files import fsync_directory, write_json_atomically
-from megarl.models.convert.hf_index import INDEX_FILE, hf_asset_names
-from megarl.models.convert.placement import place_global_tensor
-from megarl.models.convert.safetensors_stream import (
+from megarl.checkpoint_io.files import fsync_directory, write_json_atomically
+from megarl.checkpoint_io.hf_index import INDEX_FILE, hf_asset_names
+from megarl.checkpoint_io.placement import place_global_tensor
+from megarl.checkpoint_io.safetensors_stream import (
     FileBytes, PlannedTensor, StreamingSafetensorsWriter, TensorLocation, c_strides,
     read_safetensors_header, read_tensor,
 )
@@ -211,7 +211,7 @@ def _pack_into_shards(groups: list[tuple[object, list[PlannedTensor]]], max_shar
 
 def _dist_hf_config(ckpt_dir: str, hf_config_dir: Optional[str]) -> tuple[dict, dict, Optional[str]]:
     """(hf_config, conversion record, directory of the HF assets) for a torch_dist checkpoint."""
-    from megarl.models.convert.hf_to_mcore import CONVERSION_FILE, read_hf_config_dict
+    from megarl.checkpoint_io.hf_to_mcore import CONVERSION_FILE, read_hf_config_dict
 
     record_path = os.path.join(ckpt_dir, CONVERSION_FILE)
     if hf_config_dir is not None:
@@ -298,15 +298,15 @@ class _DistContext:
 
 
 def _make_dist_context(tensors: TensorConverter, ckpt_dir: str, out_dir: str) -> _DistContext:
-    from megarl.models.convert.torch_dist import TorchDistReader
+    from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
 
     return _DistContext(tensors, TorchDistReader(ckpt_dir), out_dir)
 
 
 def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: int, workers: int,
                               hf_config_dir: Optional[str]) -> dict:
-    from megarl.models.convert.hf_to_mcore import planning_bridge
-    from megarl.models.convert.torch_dist import WORKER_MODULES
+    from megarl.checkpoint_io.hf_to_mcore import planning_bridge
+    from megarl.checkpoint_io.torch_dist_layout import WORKER_MODULES
 
     hf_config, record, assets_dir = _dist_hf_config(ckpt_dir, hf_config_dir)
     bridge = planning_bridge(hf_config, "local")
@@ -326,7 +326,8 @@ def _convert_torch_dist_to_hf(ckpt_dir: str, out_dir: str, *, max_shard_bytes: i
 
 
 def _plan_torch_dist_to_hf(ckpt_dir: str, bridge, max_shard_bytes: int) -> list[Task]:
-    from megarl.models.convert.torch_dist import TorchDistReader, checkpoint_layout
+    from megarl.checkpoint_io.torch_dist_layout import checkpoint_layout
+    from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
 
     reader = TorchDistReader(ckpt_dir)
     layout = checkpoint_layout(bridge)

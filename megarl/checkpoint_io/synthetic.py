@@ -19,8 +19,8 @@ import os
 
 import torch
 
-from megarl.models.convert.hf_index import INDEX_FILE
-from megarl.models.convert.safetensors_stream import PlannedTensor, StreamingSafetensorsWriter
+from megarl.checkpoint_io.hf_index import INDEX_FILE
+from megarl.checkpoint_io.safetensors_stream import PlannedTensor, StreamingSafetensorsWriter
 
 
 def synthetic_llama_config(*, hidden_size: int, num_layers: int, intermediate_size: int, vocab_size: int,

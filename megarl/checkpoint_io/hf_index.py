@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from megarl.models.convert.safetensors_stream import TensorLocation, read_safetensors_header
+from megarl.checkpoint_io.safetensors_stream import TensorLocation, read_safetensors_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -33,13 +33,13 @@ from typing import Optional
 import torch
 
 from megarl.models import mcore_checkpoint as fmt
-from megarl.models.convert.execution import (
+from megarl.checkpoint_io.execution import (
     OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks,
 )
-from megarl.models.convert.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blockwise, fp8_block_size
-from megarl.models.convert.hf_index import hf_asset_names, index_hf_safetensors
-from megarl.models.convert.placement import num_local_experts, pipeline_layers, place_global_tensor
-from megarl.models.convert.safetensors_stream import (
+from megarl.checkpoint_io.fp8 import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blockwise, fp8_block_size
+from megarl.checkpoint_io.hf_index import hf_asset_names, index_hf_safetensors
+from megarl.checkpoint_io.placement import num_local_experts, pipeline_layers, place_global_tensor
+from megarl.checkpoint_io.safetensors_stream import (
     PlannedTensor, StreamingSafetensorsWriter, TensorLocation, map_rows, read_rows_into, read_tensor,
 )
 from megarl.models.weight_mapping import TensorConverter
@@ -335,7 +335,7 @@ class PartPayload:
 
 def plan_torch_dist(bridge, layout, locations: dict[str, TensorLocation], options: ConversionOptions) -> list[Task]:
     """Tasks that each write one part of the checkpoint: whole parameters, about ``max_file_bytes`` each."""
-    from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR
+    from megarl.checkpoint_io.torch_dist_layout import ITERATION_DIR, PARTS_DIR
 
     by_param = layout.items_of()
     consumed: set[str] = set()
@@ -404,7 +404,7 @@ def _read_chunk_in_place(item, entry: Entry, dtype: torch.dtype, context: _Conte
 def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, int]]:
     import zlib
 
-    from megarl.models.convert.torch_dist import write_part
+    from megarl.checkpoint_io.torch_dist_writer import write_part
 
     (out,) = task.files
     payload: PartPayload = task.payload
@@ -432,8 +432,8 @@ def _run_torch_dist_task(context: _Context, task: Task) -> list[tuple[str, int, 
 
 def _convert_to_torch_dist(hf_dir: str, out_dir: str, *, dtype: Optional[torch.dtype], workers: int,
                            memory_budget_bytes: Optional[int], max_file_bytes: int) -> dict:
-    from megarl.checkpoint_files import TRACKER_FILE
-    from megarl.models.convert.torch_dist import WORKER_MODULES
+    from megarl.checkpoint_io.files import TRACKER_FILE
+    from megarl.checkpoint_io.torch_dist_layout import WORKER_MODULES
 
     if os.path.isfile(os.path.join(out_dir, TRACKER_FILE)):
         raise FileExistsError(f"{os.path.join(out_dir, TRACKER_FILE)} exists: {out_dir} already holds a finished "
@@ -460,8 +460,9 @@ def _convert_to_torch_dist_with(hf_dir: str, out_dir: str, bridge, hf_config: di
                                 pool: Optional[WorkerPool], started: float) -> tuple[dict, dict[str, float]]:
     """The conversion, and how long its phases took (planning, tasks, merging; a user's first question
     about a slow run is which of them it was)."""
-    from megarl.checkpoint_files import mark_latest
-    from megarl.models.convert.torch_dist import ITERATION_DIR, PARTS_DIR, checkpoint_layout, merge_parts
+    from megarl.checkpoint_io.files import mark_latest
+    from megarl.checkpoint_io.torch_dist_layout import ITERATION_DIR, PARTS_DIR, checkpoint_layout
+    from megarl.checkpoint_io.torch_dist_writer import merge_parts
 
     layout = checkpoint_layout(bridge)
     locations = index_hf_safetensors(hf_dir)

@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from megarl.checkpoint_files import publish
+from megarl.checkpoint_io.files import publish
 
 DTYPE_TO_ST = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
