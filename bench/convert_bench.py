@@ -1,14 +1,14 @@
 """Benchmark the streaming checkpoint converters against copying the same bytes on the same disk.
 
-    python bench/convert_bench.py [--hf DIR | --size-gb 1.0] [--workers 1] [--budget-mb 256] [--tp 2]
-        [--work DIR] [--json OUT.json] [--steps cp,torch_dist,per_rank,mcore_to_hf] [--repeat 1]
+    python bench/convert_bench.py [--hf DIR | --size-gb 1.0] [--workers 1] [--budget-mb 256]
+        [--work DIR] [--json OUT.json] [--steps cp,torch_dist,mcore_to_hf] [--repeat 1]
 
 Without ``--hf`` a synthetic fp32 Llama-layout checkpoint of about ``--size-gb`` is written first. Then, on the
 same disk and with the same number of processes (``--workers``): (1) ``cp`` of the safetensors files + sync;
 (2) raw: the files' bytes split into ``--workers`` equal spans, each copied by its own process with a 16 MiB
 pread/pwrite loop and fsync (what any converter must at least do, as parallel as the converter); (3) hf->mcore
-to megatron's torch_dist format (the default); (4) hf->mcore to the per-rank format at ``--tp`` (the previous
-default); (5) mcore->hf from the torch_dist checkpoint. Each conversion runs in a fresh subprocess that reports
+to megatron's torch_dist format; (4) mcore->hf from the torch_dist checkpoint (the per-rank format, measured
+until 2026-12-05, is retired). Each conversion runs in a fresh subprocess that reports
 its wall time and peak RSS above its post-import baseline. Every step starts after a ``sync`` and a pause
 (``--settle-s``); ``--repeat N`` runs the steps N times in turn and reports each one's median. Prints a
 markdown table (and JSON with ``--json``). The page cache is not dropped (that needs root), so reads may be
@@ -111,11 +111,11 @@ def cp_copy(src_dir: str, dst_dir: str) -> tuple[int, float]:
     return sum(os.path.getsize(p) for p in paths), time.perf_counter() - started
 
 
-STEPS = ("cp", "torch_dist", "per_rank", "mcore_to_hf")  # the raw copy always runs: it is the baseline
-CHILD_DIRECTIONS = {"torch_dist": "hf_to_torch_dist", "per_rank": "hf_to_per_rank", "mcore_to_hf": "mcore_to_hf"}
+STEPS = ("cp", "torch_dist", "mcore_to_hf")  # the raw copy always runs: it is the baseline
+CHILD_DIRECTIONS = {"torch_dist": "hf_to_torch_dist", "mcore_to_hf": "mcore_to_hf"}
 
 
-def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int, part: int) -> None:
+def child(direction: str, src: str, dst: str, workers: int, budget: int, part: int) -> None:
     import torch
 
     import megarl.models.bridge  # noqa: F401  (imported before the clock starts)
@@ -132,9 +132,6 @@ def child(direction: str, src: str, dst: str, tp: int, workers: int, budget: int
     started = time.perf_counter()
     if direction == "hf_to_torch_dist":
         convert_hf_to_mcore(src, dst, workers=workers, memory_budget_bytes=budget, max_file_bytes=part)
-    elif direction == "hf_to_per_rank":
-        convert_hf_to_mcore(src, dst, tp=tp, workers=workers, memory_budget_bytes=budget, max_file_bytes=part,
-                            format="per_rank")
     else:
         convert_mcore_to_hf(src, dst, max_shard_bytes=part, workers=workers)
     print(json.dumps({"seconds": time.perf_counter() - started, "rss_over_baseline": peak_rss_bytes() - baseline,
@@ -163,12 +160,11 @@ def child_env() -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        d, src, dst, tp, workers, budget, part = sys.argv[2:9]
-        return child(d, src, dst, int(tp), int(workers), int(budget), int(part))
+        d, src, dst, workers, budget, part = sys.argv[2:8]
+        return child(d, src, dst, int(workers), int(budget), int(part))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf", default=None)
     parser.add_argument("--size-gb", type=float, default=1.0)
-    parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--budget-mb", type=int, default=256, help="the conversions' memory budget")
     parser.add_argument("--part-mb", type=int, default=None,
@@ -229,18 +225,15 @@ def main() -> None:
             raw_name = f"raw copy, {args.workers} process(es) + fsync"
             samples.setdefault(raw_name, []).append((raw_bytes, raw_s, None))
             for step, name, src, dst in (
-                    ("torch_dist", "hf_to_mcore torch_dist (default)", hf, "td"),
-                    ("per_rank", f"hf_to_mcore per_rank tp={args.tp}", hf, "mc"),
+                    ("torch_dist", "hf_to_mcore torch_dist", hf, "td"),
                     ("mcore_to_hf", "mcore_to_hf from torch_dist", os.path.join(work, "td"), "back")):
                 if step in steps:
                     settle(args.settle_s)
-                    runs[step] = run_child(CHILD_DIRECTIONS[step], src, os.path.join(work, dst), args.tp,
-                                           args.workers, budget, part)
+                    runs[step] = run_child(CHILD_DIRECTIONS[step], src, os.path.join(work, dst), args.workers,
+                                           budget, part)
                     written = size if step != "mcore_to_hf" else dir_bytes(os.path.join(work, dst))
                     samples.setdefault(name, []).append((written, runs[step]["seconds"],
                                                          runs[step]["rss_over_baseline"]))
-                    if step == "per_rank":
-                        shutil.rmtree(os.path.join(work, dst))
         rows = [(name, passes[0][0], statistics.median(p[1] for p in passes), [p[1] for p in passes],
                  max((p[2] for p in passes if p[2] is not None), default=None)) for name, passes in samples.items()]
         raw_bytes, raw_s = next((nbytes, seconds) for name, nbytes, seconds, _, _ in rows if name.startswith("raw"))

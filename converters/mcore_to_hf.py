@@ -4,7 +4,7 @@
     python converters/mcore_to_hf.py --mcore <run>/checkpoints/global_step_100/actor --hf-config <hf_model_dir> \
         --out <hf_dir>
 
-``--mcore``: hf_to_mcore.py's output (either format), or a torch_dist checkpoint saved by training (megarl's
+``--mcore``: hf_to_mcore.py's output, or a torch_dist checkpoint saved by training (megarl's
 ``global_step_N/actor``, a Megatron-LM ``--save`` directory or one of its ``iter_*`` directories), saved at any
 layout; for those, ``--hf-config`` names the HF model directory whose config.json and tokenizer describe it.
 The output loads with ``transformers.AutoModelForCausalLM.from_pretrained``. Rerunning after an interruption

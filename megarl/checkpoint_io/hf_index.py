@@ -14,6 +14,7 @@ import os
 
 from megarl.checkpoint_io.safetensors_stream import TensorLocation, read_safetensors_header
 
+HF_ASSETS_DIR = "hf_assets"  # a converted checkpoint keeps the HF tokenizer/config files here
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _ASSET_MAX_BYTES = 64 * 1024 * 1024

@@ -1,18 +1,13 @@
-"""Convert a megatron checkpoint (torch_dist, or megarl's per-rank format) back to Hugging Face safetensors,
-streaming.
+"""Convert a megatron ``torch_dist`` checkpoint back to Hugging Face safetensors, streaming.
 
-torch_dist (:func:`_convert_torch_dist_to_hf`): megatron's own chunks of each parameter, read from wherever
-the checkpoint stored them (any layout it was saved at: converted, or saved by megarl's or Megatron-LM's
-training) by :class:`~megarl.checkpoint_io.torch_dist_reader.TorchDistReader`, assembled into the TP=1 parameter,
-split into HF tensors. The rest of this docstring is the per-rank path; both write the same HF layout.
-
-Plan on headers and meta tensors: for every global parameter the bridge lists, find the rank that
-holds it (pipeline stage and expert rank from :mod:`~megarl.checkpoint_io.placement`) and its TP
-shards' locations, run the bridge's ``merge_tp`` and ``mcore_to_hf`` on meta tensors to learn the HF
-names/shapes, and pack the HF tensors into shards of at most ``max_shard_bytes`` (one global
-parameter's HF tensors stay together). Execute: per HF shard, read the TP shards of ONE global
-parameter, merge, split into HF tensors, append them to the shard; then the next. Peak memory is a
-small multiple of the largest parameter; HF shards are independent tasks (parallel, resumable).
+Megatron's own chunks of each parameter are read from wherever the checkpoint stored them (any layout it was
+saved at: converted by ``hf_to_mcore``, or saved by megarl's or Megatron-LM's training) by
+:class:`~megarl.checkpoint_io.torch_dist_reader.TorchDistReader`, assembled into the TP=1 parameter and split
+into HF tensors by the bridge. Plan on metadata and meta tensors: the HF names and shapes of every parameter,
+packed into shards of at most ``max_shard_bytes`` (one parameter's HF tensors stay together). Execute: per HF
+shard, one parameter at a time (its chunks, or their bytes mapped in place where an HF tensor is one stored
+chunk); peak memory is a small multiple of the largest parameter; HF shards are independent tasks (parallel,
+resumable).
 
 Writes ``model-0000i-of-0000n.safetensors`` + ``config.json`` (+ the tokenizer / generation config
 files kept under ``hf_assets/``), and ``model.safetensors.index.json`` LAST, so an interrupted run
@@ -35,17 +30,12 @@ from typing import Optional
 
 import torch
 
-from megarl.models import mcore_checkpoint as fmt
 from megarl.checkpoint_io.execution import (
     OutputFile, Task, WorkerPool, hash_plan, note_tensor_written, run_tasks,
 )
 from megarl.checkpoint_io.files import fsync_directory, write_json_atomically
-from megarl.checkpoint_io.hf_index import INDEX_FILE, hf_asset_names
-from megarl.checkpoint_io.placement import place_global_tensor
-from megarl.checkpoint_io.safetensors_stream import (
-    FileBytes, PlannedTensor, StreamingSafetensorsWriter, TensorLocation, c_strides,
-    read_safetensors_header, read_tensor,
-)
+from megarl.checkpoint_io.hf_index import HF_ASSETS_DIR, INDEX_FILE, hf_asset_names
+from megarl.checkpoint_io.safetensors_stream import FileBytes, PlannedTensor, StreamingSafetensorsWriter, c_strides
 from megarl.models.weight_mapping import TensorConverter
 
 logger = logging.getLogger(__name__)
@@ -53,55 +43,8 @@ logger = logging.getLogger(__name__)
 _SAFETENSORS_METADATA = {"format": "pt"}  # transformers refuses shards without it
 
 
-@dataclass(frozen=True)
-class Entry:
-    global_name: str
-    shards: tuple[TensorLocation, ...]  # one per TP rank
-
-
-def _bridge(metadata: fmt.MCoreCheckpointMetadata):
-    from megarl.models.bridge import ModelBridge
-
-    return ModelBridge.from_hf_config(dict(metadata.hf_config), spec=metadata.layer_spec,
-                                      expert_layout=metadata.expert_layout,
-                                      make_vocab_size_divisible_by=metadata.raw["make_vocab_size_divisible_by"])
-
-
 def hf_shard_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-
-def plan_mcore_to_hf(bridge, metadata: fmt.MCoreCheckpointMetadata, ckpt_dir: str,
-                     max_shard_bytes: int) -> list[Task]:
-    headers: dict[str, dict[str, TensorLocation]] = {}
-
-    def locate(tp_rank: int, pp_rank: int, ep_rank: int, local: str) -> TensorLocation:
-        rank = fmt.rank_dir_name(tp_rank, pp_rank, ep_rank)
-        info = metadata.raw["ranks"][rank]["tensors"].get(local)
-        if info is None:
-            raise ValueError(f"{ckpt_dir}/{rank} has no tensor {local!r}")
-        if info["file"] not in headers:
-            headers[info["file"]], _ = read_safetensors_header(os.path.join(ckpt_dir, info["file"]))
-        return headers[info["file"]][local]
-
-    groups: list[tuple[Entry, list[PlannedTensor]]] = []
-    for global_name in bridge.iter_global_mcore_names():
-        placement = place_global_tensor(bridge, global_name, pp=metadata.pp, ep=metadata.ep)[0]
-        shards = tuple(locate(t, placement.pp_rank, placement.ep_rank, placement.local_name)
-                       for t in range(metadata.tp))
-        metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in shards]
-        merged = bridge.merge_tp(global_name, metas)
-        planned = [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in bridge.mcore_to_hf(global_name, merged)]
-        groups.append((Entry(global_name, shards), planned))
-    return _pack_into_shards(groups, max_shard_bytes)
-
-
-@dataclass
-class _Context:
-    """What a worker holds: plain data, so that it starts without importing transformers or megatron."""
-
-    tensors: TensorConverter
-    out_dir: str
 
 
 def _write_hf_shard(context, task: Task, hf_tensors) -> list[tuple[str, int, Optional[int]]]:
@@ -119,11 +62,6 @@ def _write_hf_shard(context, task: Task, hf_tensors) -> list[tuple[str, int, Opt
     except BaseException:
         writer.abort()
         raise
-
-
-def _run_task(context: _Context, task: Task) -> list[tuple[str, int, Optional[int]]]:
-    return _write_hf_shard(context, task, lambda entry: context.tensors.mcore_to_hf(
-        entry.global_name, context.tensors.merge_tp(entry.global_name, [read_tensor(loc) for loc in entry.shards])))
 
 
 def _hf_config_to_write(hf_config: dict, record: dict) -> dict:
@@ -145,32 +83,18 @@ def convert_mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
                         hf_config_dir: str | os.PathLike | None = None) -> dict:
     """Convert; returns the index written. Resumes an interrupted run into the same ``out_dir``.
 
-    ``ckpt_dir``: a per-rank checkpoint, or a torch_dist one -- converted by ``hf_to_mcore`` (its config comes
-    with it), or saved by training (megarl's ``global_step_N/actor``, a Megatron-LM ``--save`` directory, or one
-    ``iter_*`` directory), for which ``hf_config_dir`` names the HF model directory whose config.json (and
-    tokenizer files) describe it."""
+    ``ckpt_dir``: a torch_dist checkpoint -- converted by ``hf_to_mcore`` (its config comes with it), or saved
+    by training (megarl's ``global_step_N/actor``, a Megatron-LM ``--save`` directory, or one ``iter_*``
+    directory), for which ``hf_config_dir`` names the HF model directory whose config.json (and tokenizer
+    files) describe it."""
     ckpt_dir, out_dir = os.fspath(ckpt_dir), os.fspath(out_dir)
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_bytes}")
     index_path = os.path.join(out_dir, INDEX_FILE)
     if os.path.isfile(index_path):
         raise FileExistsError(f"{index_path} exists: {out_dir} already holds a finished HF checkpoint")
-    if not os.path.isfile(os.path.join(ckpt_dir, fmt.METADATA_FILE)):
-        return _convert_torch_dist_to_hf(ckpt_dir, out_dir, max_shard_bytes=max_shard_bytes, workers=workers,
-                                         hf_config_dir=None if hf_config_dir is None else os.fspath(hf_config_dir))
-    metadata = fmt.read_metadata(ckpt_dir)
-    bridge = _bridge(metadata)
-    tasks = plan_mcore_to_hf(bridge, metadata, ckpt_dir, max_shard_bytes)
-    plan_hash = hash_plan(tasks, {"direction": "mcore_to_hf", "source": os.path.abspath(ckpt_dir),
-                                  "files": {r: e["files"] for r, e in metadata.raw["ranks"].items()}})
-    run_tasks(tasks, out_dir=out_dir, plan_hash=plan_hash, workers=workers, make_context=_Context,
-              context_args=(bridge.tensors, out_dir), run_task=_run_task, description="mcore->hf")
-    assets_dir = os.path.join(ckpt_dir, fmt.HF_ASSETS_DIR)
-    for name in metadata.raw.get("hf_assets", []):
-        if name != "config.json":
-            shutil.copyfile(os.path.join(assets_dir, name), os.path.join(out_dir, name))
-    write_json_atomically(os.path.join(out_dir, "config.json"), _hf_config_to_write(metadata.hf_config, metadata.raw))
-    return _finish(tasks, out_dir)
+    return _convert_torch_dist_to_hf(ckpt_dir, out_dir, max_shard_bytes=max_shard_bytes, workers=workers,
+                                     hf_config_dir=None if hf_config_dir is None else os.fspath(hf_config_dir))
 
 
 def _finish(tasks: list[Task], out_dir: str) -> dict:
@@ -185,7 +109,6 @@ def _finish(tasks: list[Task], out_dir: str) -> dict:
     return index
 
 
-# ---------------------------------------------------------------------------------------- torch_dist
 @dataclass(frozen=True)
 class DistEntry:
     global_name: str
@@ -219,7 +142,7 @@ def _dist_hf_config(ckpt_dir: str, hf_config_dir: Optional[str]) -> tuple[dict, 
     if os.path.isfile(record_path):
         with open(record_path) as handle:
             record = json.load(handle)
-        return record["hf_config"], record, os.path.join(ckpt_dir, fmt.HF_ASSETS_DIR)
+        return record["hf_config"], record, os.path.join(ckpt_dir, HF_ASSETS_DIR)
     raise ValueError(f"{ckpt_dir} is a torch_dist checkpoint without {CONVERSION_FILE} (saved by training, not "
                      f"converted): name the HF model directory whose config.json describes it (--hf-config)")
 
@@ -292,6 +215,8 @@ def _whole(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], in
 
 @dataclass
 class _DistContext:
+    """What a worker holds: the bridge's tensor rules (no transformers or megatron to import), the reader."""
+
     tensors: TensorConverter
     reader: object
     out_dir: str

@@ -26,8 +26,8 @@ def main() -> None:
     direction = sys.argv[1]
     baseline = current_rss_bytes()
     if direction == "hf_to_mcore":
-        hf, out, tp, budget = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-        convert_hf_to_mcore(hf, out, tp=tp, memory_budget_bytes=budget, max_file_bytes=budget)
+        hf, out, budget = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        convert_hf_to_mcore(hf, out, memory_budget_bytes=budget, max_file_bytes=budget)
     else:
         convert_mcore_to_hf(sys.argv[2], sys.argv[3], max_shard_bytes=int(sys.argv[4]))
     print(json.dumps({"baseline": baseline, "peak": peak_rss_bytes()}))

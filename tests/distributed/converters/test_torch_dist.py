@@ -68,7 +68,7 @@ def test_chunks_read_in_place_equal_the_chunks_of_the_fused_parameter(arch, tmp_
     bridge = h.planning_bridge(config, "local")
     layout, locations = checkpoint_layout(bridge), index_hf_safetensors(hf_dir)
     for dtype, in_place in ((None, True), (torch.float64, False)):
-        options = h.ConversionOptions(tp=1, pp=1, ep=1, dtype=dtype)
+        options = h.ConversionOptions(dtype=dtype)
         context = h._Context(*h._context_args(bridge, config, options, str(tmp_path)))
         tasks = h.plan_torch_dist(bridge, layout, locations, options)
         checked = 0

@@ -85,8 +85,8 @@ def _rewrite(hf_dir, out_dir, transform, config_update):
 
 @pytest.mark.timeout(120)
 def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, caplog):
-    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
-    from megarl.models.mcore_checkpoint import read_metadata, read_rank_state_dict
+    from megarl.checkpoint_io.hf_to_mcore import CONVERSION_FILE, convert_hf_to_mcore
+    from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
     block = (40, 24)  # partial edge blocks on the tiny 64/96/32-wide matrices
@@ -120,31 +120,20 @@ def test_fp8_deepseek_checkpoint_converts_like_its_dequantised_twin(tmp_path, ca
     _rewrite(source, tmp_path / "fp8", with_mtp(to_fp8), quant_config)
     _rewrite(source, tmp_path / "ref", with_mtp(to_reference), {"num_nextn_predict_layers": 1})
     with caplog.at_level(logging.INFO):
-        convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "mc_fp8", tp=2, ep=2, format="per_rank")
+        convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "td_fp8")
     assert "skipped 2 multi-token-prediction tensor(s)" in caplog.text
-    convert_hf_to_mcore(tmp_path / "ref", tmp_path / "mc_ref", tp=2, ep=2, format="per_rank")
-    assert read_metadata(tmp_path / "mc_fp8").raw["dequantized_fp8"] is True
-    checked = 0
-    for tp_rank in range(2):
-        for ep_rank in range(2):
-            got = read_rank_state_dict(tmp_path / "mc_fp8", tp_rank=tp_rank, pp_rank=0, ep_rank=ep_rank)
-            want = read_rank_state_dict(tmp_path / "mc_ref", tp_rank=tp_rank, pp_rank=0, ep_rank=ep_rank)
-            assert got.keys() == want.keys()
-            for name in want:
-                assert got[name].dtype == want[name].dtype, name
-                assert torch.equal(got[name], want[name]), name
-                checked += got[name].dtype == torch.bfloat16
-    assert checked > 20  # the dequantised weights really were compared
-    # the torch_dist format (the default) dequantises the same way: every key equal to the twin's
-    from megarl.checkpoint_io.torch_dist_reader import TorchDistReader
-
-    convert_hf_to_mcore(tmp_path / "fp8", tmp_path / "td_fp8")
     convert_hf_to_mcore(tmp_path / "ref", tmp_path / "td_ref")
+    assert json.loads((tmp_path / "td_fp8" / CONVERSION_FILE).read_text())["dequantized_fp8"] is True
     got, want = TorchDistReader(str(tmp_path / "td_fp8")), TorchDistReader(str(tmp_path / "td_ref"))
     assert got.tensors.keys() == want.tensors.keys()
+    checked = 0
     for key in want.tensors:
         shape = want.shape(key)
-        assert torch.equal(got.read(key, (0,) * len(shape), shape), want.read(key, (0,) * len(shape), shape)), key
+        expected = want.read(key, (0,) * len(shape), shape)
+        actual = got.read(key, (0,) * len(shape), shape)
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), key
+        checked += expected.dtype == torch.bfloat16
+    assert checked > 10  # the dequantised weights really were compared
 
 
 def test_unmapped_hf_tensor_is_refused_by_name(tmp_path):
@@ -155,5 +144,5 @@ def test_unmapped_hf_tensor_is_refused_by_name(tmp_path):
     _rewrite(source, tmp_path / "extra", lambda n, t: [(n, t)] + ([("model.rotary.inv_freq", t[:2])]
                                                                   if n == "model.norm.weight" else []), {})
     with pytest.raises(ValueError, match="model.rotary.inv_freq"):
-        convert_hf_to_mcore(tmp_path / "extra", tmp_path / "out", tp=1, format="per_rank")
-    assert not os.path.exists(tmp_path / "out" / "metadata.json")
+        convert_hf_to_mcore(tmp_path / "extra", tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out" / "latest_checkpointed_iteration.txt")
