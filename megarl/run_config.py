@@ -40,7 +40,7 @@ def check_registered_names(cfg: MegarlConfig) -> None:
     for value, registered, key in (
         (alg.adv_estimator, ADVANTAGE_ESTIMATORS.names(), "algorithm.adv_estimator"),
         (alg.kl_penalty, KL_ESTIMATORS.names(), "algorithm.kl_penalty"),
-        (actor.policy_loss, policy_losses, "actor_rollout_ref.actor.policy_loss"),
+        (actor.policy_loss.loss_mode, policy_losses, "actor_rollout_ref.actor.policy_loss.loss_mode"),
         (actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode"),
         (actor.kl_loss_type, KL_ESTIMATORS.names(), "actor_rollout_ref.actor.kl_loss_type"),
         (cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode"),

@@ -38,6 +38,14 @@ from megarl.algorithms.policy_loss import (
     get_policy_loss,
     register_policy_loss,
 )
+from megarl.algorithms.policy_loss_variants import (  # registered under verl's names
+    compute_cispo_loss,
+    compute_clip_cov_loss,
+    compute_gmpo_loss,
+    compute_gpg_loss,
+    compute_kl_cov_loss,
+    compute_sapo_loss,
+)
 from megarl.algorithms.registry import Registry
 from megarl.algorithms.value_loss import compute_value_loss, value_loss
 
@@ -54,16 +62,22 @@ __all__ = [
     "add_entropy_bonus",
     "aggregate_loss",
     "apply_kl_in_reward",
+    "compute_cispo_loss",
+    "compute_clip_cov_loss",
     "compute_dr_grpo_advantages",
     "compute_gae_advantages",
     "compute_grpo_advantages",
+    "compute_gmpo_loss",
+    "compute_gpg_loss",
     "compute_gspo_loss",
+    "compute_kl_cov_loss",
     "compute_opo_advantages",
     "compute_ppo_clip_loss",
     "compute_reinforce_plus_plus_advantages",
     "compute_reinforce_plus_plus_baseline_advantages",
     "compute_remax_advantages",
     "compute_rloo_advantages",
+    "compute_sapo_loss",
     "compute_value_loss",
     "entropy_from_logits",
     "first_groups",

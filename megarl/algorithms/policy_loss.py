@@ -1,4 +1,5 @@
-"""Policy-gradient losses: PPO clip (asymmetric "clip-higher" bounds, optional dual clip) and GSPO.
+"""Policy-gradient losses: PPO clip (asymmetric "clip-higher" bounds, optional dual clip) and GSPO; the others
+verl has (CISPO, SAPO, GMPO, GPG, KL-Cov, Clip-Cov) are in :mod:`megarl.algorithms.policy_loss_variants`.
 
 Common keyword-only signature, so the trainer picks a loss by name:
 
@@ -25,8 +26,9 @@ from megarl.algorithms.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-# verl's older names: PPO-clip always takes the dual clip (clip_ratio_c), so dual_clip is PPO-clip
-POLICY_LOSS_ALIASES = {"dual_clip": "ppo_clip"}
+# verl's names for PPO-clip: "vanilla" (verl's loss_mode default) and "dual_clip" (older; PPO-clip always takes the
+# dual clip, clip_ratio_c)
+POLICY_LOSS_ALIASES = {"vanilla": "ppo_clip", "dual_clip": "ppo_clip"}
 
 # exp() of a log-ratio beyond this is a numerical accident (stale log-probs, a bug), not a signal.
 _MAX_LOG_RATIO = 20.0

@@ -141,6 +141,22 @@ def _check_known(values: dict, where: str = "") -> None:
         raise ConfigError(f"{len(problems)} config keys refused{where}:\n  - " + "\n  - ".join(problems))
 
 
+def expand_shorthands(cls, values: dict) -> dict:
+    """``values`` with a scalar given for a section whose dataclass names a ``SHORTHAND`` field read as that field
+    (``actor.policy_loss=gspo`` is ``actor.policy_loss.loss_mode=gspo``)."""
+    types_by_name = _field_types(cls)
+    expanded = {}
+    for name, value in values.items():
+        inner = _strip_optional(types_by_name[name])[0] if name in types_by_name else None
+        if inner is not None and dataclasses.is_dataclass(inner):
+            if isinstance(value, dict):
+                value = expand_shorthands(inner, value)
+            elif isinstance(value, str) and getattr(inner, "SHORTHAND", None):
+                value = {inner.SHORTHAND: value}
+        expanded[name] = value
+    return expanded
+
+
 def _build(cls, values: dict, prefix: str):
     types_by_name = _field_types(cls)
     kwargs = {}
@@ -246,14 +262,14 @@ def read_config(path: Optional[str | Path] = None, overrides: Iterable[str] = ()
     (:func:`megarl.run_config.load_config` does both)."""
     tree = to_dict(MegarlConfig())
     if path is not None:
-        file_values = load_yaml_mapping(path)
+        file_values = expand_shorthands(MegarlConfig, load_yaml_mapping(path))
         _check_known(file_values, f" in {path}")  # every unknown key at once, against the file's own text
         _build(MegarlConfig, file_values, "")  # types, against the file's own text
         tree = _merge(tree, file_values)
     given: dict = {}
     for text in overrides:
         parts, value = parse_override(text)
-        given = _merge(given, _nest(parts, value))
+        given = _merge(given, expand_shorthands(MegarlConfig, _nest(parts, value)))
     _check_known(given, " on the command line")
     tree = _merge(tree, given)
     if tree["trainer"].get("experiment_name") is None:  # before ${trainer.experiment_name} is interpolated

@@ -9,7 +9,7 @@ consistency checks in :mod:`megarl.config.validate`. Nothing here reads files or
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 
 @dataclass
@@ -115,19 +115,38 @@ class MegatronConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """verl's ``actor_rollout_ref.actor.policy_loss`` block: which policy loss, and the options of the ones that have
+    them. ``policy_loss=<mode>`` is short for ``policy_loss.loss_mode=<mode>``."""
+
+    SHORTHAND: ClassVar[str] = "loss_mode"
+    # vanilla (PPO clip with the dual clip; megarl's older names ppo_clip, dual_clip) | gspo | cispo | sapo |
+    # geo_mean (GMPO) | gpg | clip_cov | kl_cov  (megarl.algorithms.policy_loss, policy_loss_variants)
+    loss_mode: str = "vanilla"
+    clip_cov_ratio: float = 0.0002  # clip_cov: the fraction of valid tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance range the cut tokens are picked from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: the fraction of valid tokens (highest covariance) given the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: the penalty's coefficient on |log(pi / pi_old)|
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = 256  # prompts per optimizer step (x rollout.n responses)
     ppo_micro_batch_size_per_gpu: int = 8  # responses per forward/backward
     # With sequence packing: micro-batches by real tokens (prompt + response) instead of a row count.
     ppo_max_token_len_per_gpu: Optional[int] = None
     ppo_epochs: int = 1
-    policy_loss: str = "ppo_clip"  # ppo_clip (with verl's dual clip) | dual_clip (the same; older name) | gspo
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None  # defaults to clip_ratio
     clip_ratio_high: Optional[float] = None  # defaults to clip_ratio (DAPO clip-higher: e.g. 0.28)
     # Dual clip of ppo_clip, as in verl: negative-advantage tokens lose at most clip_ratio_c * |A|; null = off
     clip_ratio_c: Optional[float] = 3.0
     loss_agg_mode: str = "token-mean"
+    # SAPO's gate temperatures (policy_loss.loss_mode=sapo) for positive / negative advantages, verl's keys
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

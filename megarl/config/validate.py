@@ -312,7 +312,8 @@ def check_config(cfg: MegarlConfig) -> None:
 
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
-    if actor.policy_loss != "gspo" and actor.clip_ratio_c is not None and actor.clip_ratio_c <= 1.0:
+    if (actor.policy_loss.loss_mode in ("vanilla", "ppo_clip", "dual_clip") and actor.clip_ratio_c is not None
+            and actor.clip_ratio_c <= 1.0):
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c (the dual clip, on by default as in verl) must be "
                           f"> 1, or null to turn it off; got {actor.clip_ratio_c}")
 

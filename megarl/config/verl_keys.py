@@ -27,6 +27,9 @@ FULL = {
                                                          "RNG state (exact resume); trainer.save_hf=true adds a "
                                                          "Hugging Face copy of the policy"),
     "actor_rollout_ref.actor.fsdp_config": "megarl trains with Megatron: actor_rollout_ref.actor.megatron.*",
+    "actor_rollout_ref.actor.policy_loss.dro_beta": ("the DRO policy loss it configures is not in megarl; "
+                                                     "actor_rollout_ref.actor.policy_loss.loss_mode names the ones "
+                                                     "that are"),
     # whole sections of verl 0.9 (ppo_trainer / ppo_megatron_trainer) that megarl answers another way
     "actor_rollout_ref.ref.megatron": ("the reference shares the actor's layout (actor_rollout_ref.actor.megatron.*); "
                                        "actor_rollout_ref.ref.param_offload is its own offload knob"),
@@ -236,8 +239,6 @@ LEAF = {
     "calculate_sum_pi_squared": "not in megarl",
     "use_prefix_grouper": "not in megarl",
     "freeze_vision_tower": "vision-language models are not in megarl yet (planned: issue 42)",
-    "tau_pos": "SAPO and the other policy losses of issue 39 are not in megarl yet",
-    "tau_neg": "SAPO and the other policy losses of issue 39 are not in megarl yet",
     # rollout options
     "cudagraph_capture_sizes": "vLLM's own choice (actor_rollout_ref.rollout.enforce_eager=true turns graphs off)",
     "disable_log_stats": "megarl's vLLM engine never logs stats",

@@ -3,9 +3,12 @@ computed from the typed config in one place (the workers build them once)."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import torch
 
-from megarl.algorithms.policy_loss import POLICY_LOSS_ALIASES
+from megarl.algorithms.policy_loss import POLICY_LOSS_ALIASES, get_policy_loss
 from megarl.config.lora import resolve_targets
 from megarl.config.schema import ActorConfig, LoRAConfig, MegarlConfig, MegatronConfig, OptimConfig
 
@@ -89,12 +92,16 @@ def transformer_overrides(m: MegatronConfig) -> dict:
 
 
 def policy_loss_arguments(actor: ActorConfig) -> dict:
-    """The policy loss and its clip bounds as verl means them: PPO-clip always takes the dual clip
-    (``clip_ratio_c``, 3.0 by default; null turns it off), so ``dual_clip`` is PPO-clip under its older name;
-    GSPO clips per sequence and has no dual clip."""
-    name = POLICY_LOSS_ALIASES.get(actor.policy_loss, actor.policy_loss)
+    """The policy loss (``policy_loss.loss_mode``) and its clip bounds as verl means them: PPO-clip (``vanilla``)
+    always takes the dual clip (``clip_ratio_c``, 3.0 by default; null turns it off); the other losses have
+    none. ``policy_loss_options``: the loss's own settings (KL-Cov's, Clip-Cov's, SAPO's ``tau_pos``/``tau_neg``),
+    the ones its function takes."""
+    name = POLICY_LOSS_ALIASES.get(actor.policy_loss.loss_mode, actor.policy_loss.loss_mode)
+    available = {**dataclasses.asdict(actor.policy_loss), "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg}
+    accepted = inspect.signature(get_policy_loss(name)).parameters
+    options = {key: value for key, value in available.items() if key in accepted}
     return dict(policy_loss_name=name, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=None if name == "gspo" else actor.clip_ratio_c)
+                clip_ratio_c=actor.clip_ratio_c if name == "ppo_clip" else None, policy_loss_options=options)
 
 
 def mini_batch_rows(cfg: MegarlConfig, ppo_mini_batch_size: int, dp_size: int) -> int:

@@ -67,6 +67,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         clip_ratio_low: float = 0.2,
         clip_ratio_high: float = 0.2,
         clip_ratio_c: Optional[float] = None,
+        policy_loss_options: Optional[dict] = None,
         entropy_coeff: float = 0.0,
         use_kl_loss: bool = False,
         kl_loss_coef: float = 0.0,
@@ -76,7 +77,8 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
     ) -> dict[str, float]:
         """PPO loop over this DP shard. ``mini_batch_size`` is in local rows (default: the whole shard);
         each mini-batch is one optimizer step whose loss is normalised over all DP ranks' rows of that
-        mini-batch. Returns metrics averaged over the steps: pg_loss, pg_clipfrac, pg_clipfrac_lower (dual clip
+        mini-batch. ``policy_loss_options``: the named loss's own settings (e.g. KL-Cov's ``kl_cov_ratio``).
+        Returns metrics averaged over the steps: pg_loss, pg_clipfrac, pg_clipfrac_lower (dual clip
         active), ppo_kl, entropy, (kl_loss), loss, grad_norm, lr, and loss_tokens (the tokens the loss counted in one
         epoch over every DP rank's rows: what the loss mask let through)."""
         if not self.trainable:
@@ -111,7 +113,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                     log_probs=log_probs, old_log_probs=mb["old_log_probs"], advantages=mb["advantages"],
                     response_mask=mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                     clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
-                    rollout_is_weights=mb.get("rollout_is_weights"), **counts,
+                    rollout_is_weights=mb.get("rollout_is_weights"), **counts, **(policy_loss_options or {}),
                 )
                 entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
                 total = pg_loss - entropy_coeff * entropy_share if entropy_coeff else pg_loss

@@ -1,11 +1,12 @@
-"""PPO clip / dual clip / GSPO against per-token Python loops, plus metrics and gradients."""
+"""PPO clip / dual clip / GSPO against per-token Python loops, plus metrics and gradients; every registered loss
+against poisoned padding (the other losses' references: test_policy_loss_variants.py)."""
 
 import math
 
 import pytest
 import torch
 
-from megarl.algorithms import compute_gspo_loss, compute_ppo_clip_loss, get_policy_loss
+from megarl.algorithms import POLICY_LOSSES, compute_gspo_loss, compute_ppo_clip_loss, get_policy_loss
 
 
 def _ref_ppo_token(lp, old, a, low, high, c):
@@ -111,7 +112,7 @@ def test_gspo_clips_whole_sequence():
 
 def test_registry_and_shape_errors():
     assert get_policy_loss("ppo_clip") is compute_ppo_clip_loss
-    with pytest.raises(ValueError, match="registered: gspo, ppo_clip"):
+    with pytest.raises(ValueError, match="registered: cispo, clip_cov, geo_mean, gpg, gspo, kl_cov, ppo_clip, sapo"):
         get_policy_loss("vanilla_pg")
     with pytest.raises(ValueError, match="advantages shape"):
         compute_ppo_clip_loss(log_probs=torch.zeros(2, 3), old_log_probs=torch.zeros(2, 3),
@@ -119,7 +120,7 @@ def test_registry_and_shape_errors():
                               clip_ratio_low=0.2, clip_ratio_high=0.2)
 
 
-@pytest.mark.parametrize("name", ["ppo_clip", "gspo"])
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_padding_never_changes_loss_metrics_or_gradient(name, mode):
     torch.manual_seed(3)

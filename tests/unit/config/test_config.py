@@ -182,13 +182,41 @@ def test_ppo_clip_takes_verls_dual_clip_by_default():
     def arguments(*overrides):
         return policy_loss_arguments(load_config(overrides=list(overrides)).actor_rollout_ref.actor)
 
-    assert arguments() == dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0)
+    assert arguments() == dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                               policy_loss_options={})
     assert arguments("actor_rollout_ref.actor.clip_ratio_c=2.5")["clip_ratio_c"] == 2.5
     assert arguments("actor_rollout_ref.actor.policy_loss=dual_clip") == arguments()
+    assert arguments("actor_rollout_ref.actor.policy_loss.loss_mode=ppo_clip") == arguments()
     assert arguments("actor_rollout_ref.actor.clip_ratio_c=null")["clip_ratio_c"] is None
     assert arguments("actor_rollout_ref.actor.policy_loss=gspo")["clip_ratio_c"] is None
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.clip_ratio_c .* must be > 1, or null"):
         arguments("actor_rollout_ref.actor.clip_ratio_c=0.5")
+
+
+def test_verls_policy_loss_block_and_each_losss_own_options():
+    """verl spells the loss actor.policy_loss.loss_mode (its options beside it, SAPO's temperatures on the actor);
+    megarl's shorter policy_loss=<mode> is the same key, and each loss gets the options its function takes."""
+    from megarl.controller.engine_specs import policy_loss_arguments
+
+    def arguments(*overrides):
+        return policy_loss_arguments(load_config(overrides=list(overrides)).actor_rollout_ref.actor)
+
+    assert arguments("actor_rollout_ref.actor.policy_loss.loss_mode=vanilla")["policy_loss_name"] == "ppo_clip"
+    kl_cov = arguments("actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov",
+                       "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.01")
+    assert kl_cov["policy_loss_options"] == dict(kl_cov_ratio=0.01, ppo_kl_coef=0.1) and kl_cov["clip_ratio_c"] is None
+    assert arguments("actor_rollout_ref.actor.policy_loss=clip_cov")["policy_loss_options"] == dict(
+        clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0)
+    assert arguments("actor_rollout_ref.actor.policy_loss=sapo", "actor_rollout_ref.actor.tau_neg=2.0")[
+        "policy_loss_options"] == dict(tau_pos=1.0, tau_neg=2.0)
+    for mode in ("cispo", "geo_mean", "gpg", "gspo"):
+        assert arguments(f"actor_rollout_ref.actor.policy_loss={mode}")["policy_loss_options"] == {}, mode
+    # the shorthand followed by an option of the block keeps both, on the command line and in a file
+    both = load_config(overrides=["actor_rollout_ref.actor.policy_loss=kl_cov",
+                                  "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.5"]).actor_rollout_ref.actor
+    assert (both.policy_loss.loss_mode, both.policy_loss.ppo_kl_coef) == ("kl_cov", 0.5)
+    with pytest.raises(ConfigError, match="policy_loss.loss_mode='cispoo' is not one of"):
+        load_config(overrides=["actor_rollout_ref.actor.policy_loss.loss_mode=cispoo"])
 
 
 def test_every_shipped_recipe_validates():

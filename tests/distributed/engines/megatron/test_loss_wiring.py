@@ -30,12 +30,16 @@ from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
 from tests.dist_harness import run_distributed
 from tests.numerics import untimed
 
-BASE = dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, entropy_coeff=0.0,
+BASE = dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+            policy_loss_options=None, entropy_coeff=0.0,
             use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", loss_agg_mode="token-mean",
             norm_length=None)
 # option -> (changed value, extra changes it needs to matter, the metrics it must move)
 OPTIONS = {
     "policy_loss_name": ("gspo", {"clip_ratio_c": None}, ("pg_loss",)),
+    # the loss's own settings: KL-Cov's penalty on its highest-covariance tokens
+    "policy_loss_options": ({"kl_cov_ratio": 0.3, "ppo_kl_coef": 2.0},
+                            {"policy_loss_name": "kl_cov", "clip_ratio_c": None}, ("pg_loss",)),
     "clip_ratio_low": (0.05, {}, ("pg_clipfrac",)),
     "clip_ratio_high": (0.05, {}, ("pg_clipfrac", "pg_loss")),
     "clip_ratio_c": (None, {}, ("pg_clipfrac_lower", "pg_loss")),
@@ -237,3 +241,76 @@ def test_the_engine_reads_exactly_the_shipped_fields(wiring, role):
 def test_the_forward_only_calls_read_exactly_the_declared_fields(wiring, results, methods):
     for method in methods:
         assert wiring[results] == sorted(method_spec(method).reads), method.__qualname__
+
+
+# --- every policy loss through the engine: padded and packed micro-batches -----------------------------------
+# (the losses' own references: tests/unit/algorithms/test_policy_loss_variants.py)
+LOSSES = ("ppo_clip", "gspo", "cispo", "sapo", "geo_mean", "gpg", "kl_cov", "clip_cov")
+BATCH_STATISTICS = ("kl_cov", "clip_cov")  # statistics over the micro-batch: compared with one micro-batch
+LOSS_OPTIONS = {"kl_cov": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}, "sapo": {"tau_pos": 1.0, "tau_neg": 2.0},
+                "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0}}
+ROWS = 8
+
+
+def _every_loss_worker(rank):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megarl.algorithms import get_policy_loss
+    from megarl.engines.megatron.actor import ActorEngine
+    from megarl.engines.megatron.micro_batches import MicroBatching
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from tests.distributed.engines.megatron.tiny_setup import gpt_provider, synthetic_batch, tiny_config
+
+    initialize_megatron_parallel(layout=ParallelLayout(), seed=1)
+    frozen = OptimizerConfig(lr=0.0, min_lr=0.0)
+    engines = {}
+    for layout, micro_batching, mbs in (("padded", MicroBatching(), 2), ("packed", MicroBatching(True, 40), 2)):
+        config = tiny_config()
+        engines[layout] = ActorEngine(model_provider=gpt_provider(config, sdpa=True), config=config,
+                                      optimizer_config=frozen, micro_batch_size=mbs, micro_batching=micro_batching)
+    engines["packed"].model[0].load_state_dict(engines["padded"].model[0].state_dict())
+    batch = synthetic_batch(ROWS, seed=11)
+    g = torch.Generator().manual_seed(5)
+    log_probs, _ = engines["padded"].compute_log_probs(batch)
+    batch.old_log_probs = log_probs + 0.4 * torch.randn(log_probs.shape, generator=g)
+    batch.advantages = 3 * torch.randn(ROWS, 1, generator=g).expand_as(log_probs).contiguous()
+    mask = batch.response_mask
+    results = {}
+    for name in LOSSES:
+        options = LOSS_OPTIONS.get(name)
+        expected, expected_metrics = get_policy_loss(name)(
+            log_probs=log_probs, old_log_probs=batch.old_log_probs, advantages=batch.advantages, response_mask=mask,
+            clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean", norm_length=mask.shape[1],
+            **(options or {}))
+        for layout, engine in engines.items():
+            # the statistics of kl_cov / clip_cov are the micro-batch's: one micro-batch, as the reference has
+            one = name in BATCH_STATISTICS
+            saved = engine.micro_batch_size, engine.micro_batching
+            if one:
+                engine.micro_batch_size = ROWS
+                engine.micro_batching = MicroBatching(saved[1].sequence_packing,
+                                                      10_000 if saved[1].sequence_packing else None)
+            metrics = engine.update_policy(batch, policy_loss_name=name, clip_ratio_c=None,
+                                           policy_loss_options=options, mini_batch_size=ROWS)
+            engine.micro_batch_size, engine.micro_batching = saved
+            results[(name, layout)] = dict(pg_loss=metrics["pg_loss"], pg_clipfrac=metrics["pg_clipfrac"],
+                                           expected=float(expected), expected_clipfrac=expected_metrics["pg_clipfrac"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def every_loss():
+    return run_distributed(_every_loss_worker, 1, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", LOSSES)
+def test_every_policy_loss_reaches_the_engine_and_shows_in_its_metrics(every_loss, name, layout):
+    got = every_loss[(name, layout)]
+    # the engine's micro-batch shares against the loss on the whole batch's log-probs (fp32 model: a few ulps of
+    # fp32 at the loss's scale)
+    assert got["pg_loss"] == pytest.approx(got["expected"], rel=1e-5, abs=1e-6), (name, layout, got)
+    if name != "ppo_clip":  # the loss acted: another value than PPO's on the same batch
+        assert abs(got["pg_loss"] - every_loss[("ppo_clip", layout)]["pg_loss"]) > 1e-4, (name, layout)
+    if name in ("cispo", "geo_mean", "kl_cov", "clip_cov"):  # and the tokens it treated apart are counted
+        assert got["pg_clipfrac"] > 0 and got["pg_clipfrac"] == pytest.approx(got["expected_clipfrac"], rel=1e-5)

@@ -1,0 +1,213 @@
+"""verl's other policy losses, by verl's names (``actor_rollout_ref.actor.policy_loss.loss_mode``): CISPO, SAPO,
+GMPO (``geo_mean``), GPG, KL-Cov (``kl_cov``) and Clip-Cov (``clip_cov``). Same calling convention as
+:mod:`megarl.algorithms.policy_loss` (keyword-only, ``(loss, metrics)``, a micro-batch's share of the step loss
+under the global token/sequence counts), plus each loss's own options, named as verl names them.
+
+What each one is, from its paper (verl's ``core_algos`` agrees with these):
+
+* **CISPO** (MiniMax-M1, arXiv 2506.13585): REINFORCE weighted by the clipped importance ratio, which carries
+  no gradient: ``-sg(clip(r, 1 - low, 1 + high)) * A * log pi``. No token is ever dropped from the gradient.
+* **SAPO** (arXiv 2511.20347): a smooth gate instead of a clip, ``f(r) = sigmoid(tau (r - 1)) * 4 / tau`` with
+  ``tau = tau_pos`` for A > 0 and ``tau_neg`` otherwise; the loss ``-f(r) A`` is averaged per sequence then over
+  sequences (``seq-mean-token-mean``, whatever ``loss_agg_mode`` says, as verl does).
+* **GMPO** (``geo_mean``, arXiv 2507.20673): the geometric mean of the token ratios per sequence, each log-ratio
+  clipped to ``[-low, high]`` on the side the advantage's sign makes pessimistic; the loss ``-A_seq * r_seq`` is
+  averaged over sequences (its own aggregation; ``loss_agg_mode`` does not apply).
+* **GPG** (arXiv 2504.02546): plain policy gradient, ``-A log pi``, no ratio and no clip.
+* **Clip-Cov** and **KL-Cov** (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617):
+  tokens whose covariance ``(A - mean A)(log pi - mean log pi)`` is high are the ones that collapse entropy.
+  Clip-Cov takes PPO's clipped loss and cuts the gradient of ``clip_cov_ratio`` of the valid tokens, picked at
+  random among those with covariance in ``(clip_cov_lb, clip_cov_ub)`` and not already clipped. KL-Cov takes the
+  unclipped ``-A r`` and adds ``ppo_kl_coef * |log r|`` on the ``kl_cov_ratio`` of tokens with the largest
+  covariance. Both compute their statistics over the micro-batch, as verl does.
+
+Metrics: ``pg_clipfrac`` is the fraction of valid tokens the loss treated specially (CISPO: ratio clipped; GMPO:
+log-ratio clipped with A > 0, ``pg_clipfrac_lower`` with A < 0; Clip-Cov: gradient cut; KL-Cov: penalised), 0
+for SAPO and GPG, which have no such tokens; ``ppo_kl`` / ``approx_kl_*`` as for PPO.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms.aggregation import aggregate_loss
+from megarl.algorithms.masked import masked_mean
+from megarl.algorithms.policy_loss import (_MAX_LOG_RATIO, _check_inputs, _kl_metrics, _zero_padding,
+                                           register_policy_loss)
+
+
+def _log_ratio(log_probs, old_log_probs, response_mask):
+    return _zero_padding(log_probs - old_log_probs, response_mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def _weighted(loss_mat, rollout_is_weights):
+    """Rollout correction's importance weights (megarl.algorithms.rollout_correction): no gradient."""
+    return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
+
+
+def _metrics(log_ratio, response_mask, clipfrac=0.0, clipfrac_lower=0.0) -> dict[str, float]:
+    return {"pg_clipfrac": float(clipfrac), "pg_clipfrac_lower": float(clipfrac_lower),
+            **_kl_metrics(log_ratio, response_mask)}
+
+
+@register_policy_loss("cispo")
+def compute_cispo_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None,
+):
+    """CISPO: ``-sg(clip(r)) * A * log pi`` (see the module docstring)."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    advantages = _zero_padding(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = -clipped.detach() * advantages * _zero_padding(log_probs, response_mask)
+    loss = aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode,
+                          global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                          norm_length=norm_length)
+    return loss, _metrics(log_ratio, response_mask, masked_mean((clipped != ratio).float(), response_mask).item())
+
+
+@register_policy_loss("sapo")
+def compute_sapo_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="seq-mean-token-mean", global_num_tokens=None, global_num_seqs=None,
+    norm_length=None, rollout_is_weights=None, tau_pos=1.0, tau_neg=1.05,
+):
+    """SAPO: ``-sigmoid(tau (r - 1)) * 4 / tau * A``, per sequence then over sequences (module docstring)."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"SAPO's temperatures must be > 0, got tau_pos={tau_pos}, tau_neg={tau_neg}")
+    advantages = _zero_padding(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    tau = torch.where(advantages > 0, torch.full_like(advantages, tau_pos), torch.full_like(advantages, tau_neg))
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    loss_mat = -gate * advantages
+    loss = aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, "seq-mean-token-mean",
+                          global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                          norm_length=norm_length)
+    return loss, _metrics(log_ratio, response_mask)
+
+
+@register_policy_loss("geo_mean")
+def compute_gmpo_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None,
+):
+    """GMPO: ``-A_seq * exp(mean_t clip(log r_t))`` averaged over sequences (module docstring). Rollout
+    correction weights enter as their geometric mean per sequence."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    mask = response_mask.to(log_probs.dtype)
+    advantages = _zero_padding(advantages, response_mask)
+    log_ratio = _zero_padding(log_probs - old_log_probs, response_mask)
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = mask.sum(-1)
+    present = lengths > 0
+    denominator = lengths.clamp(min=1)
+    seq_ratio = torch.exp((pessimistic * mask).sum(-1) / denominator)
+    seq_advantage = (advantages * mask).sum(-1) / denominator
+    seq_loss = -seq_advantage * seq_ratio
+    if rollout_is_weights is not None:
+        log_weights = torch.log(rollout_is_weights.detach().clamp(min=1e-10))
+        seq_loss = seq_loss * torch.exp((log_weights * mask).sum(-1) / denominator)
+    num_seqs = int(present.sum()) if global_num_seqs is None else global_num_seqs
+    if num_seqs <= 0:
+        raise ValueError("geo_mean: no sequence with valid tokens (global_num_seqs or count is 0)")
+    loss = torch.where(present, seq_loss, torch.zeros_like(seq_loss)).sum() / num_seqs
+    clipped = (log_ratio != clamped) & response_mask.bool()
+    return loss, _metrics(log_ratio, response_mask,
+                          masked_mean((clipped & (advantages > 0)).float(), response_mask).item(),
+                          masked_mean((clipped & (advantages < 0)).float(), response_mask).item())
+
+
+@register_policy_loss("gpg")
+def compute_gpg_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None,
+):
+    """GPG: ``-A log pi`` (module docstring)."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    loss_mat = -_zero_padding(advantages, response_mask) * _zero_padding(log_probs, response_mask)
+    loss = aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode,
+                          global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                          norm_length=norm_length)
+    return loss, _metrics(_log_ratio(log_probs, old_log_probs, response_mask), response_mask)
+
+
+def _covariance(advantages, log_probs, response_mask) -> torch.Tensor:
+    """``(A - mean A)(log pi - mean log pi)`` per token, means over the valid tokens; no gradient."""
+    advantages, log_probs = advantages.detach(), log_probs.detach()
+    return ((advantages - masked_mean(advantages, response_mask))
+            * (log_probs - masked_mean(log_probs, response_mask)))
+
+
+def _selection_generator(response_mask: torch.Tensor, candidates: int) -> torch.Generator:
+    """The random choice among candidate tokens must be the same on every tensor-parallel rank of a replica
+    (they compute the same loss and must take the same gradient): seeded from the micro-batch, not the RNG
+    state, which ranks do not share."""
+    return torch.Generator().manual_seed(int(response_mask.sum()) * 1_000_003 + candidates)
+
+
+@register_policy_loss("clip_cov")
+def compute_clip_cov_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None, clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0,
+):
+    """Clip-Cov: PPO's clipped loss with the gradient of a few high-covariance tokens cut (module docstring)."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    if not clip_cov_ratio > 0:
+        raise ValueError(f"clip_cov: policy_loss.clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    valid = response_mask.bool()
+    advantages = _zero_padding(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    covariance = _covariance(advantages, log_probs, response_mask)
+    candidates = (valid & ~(clipped > unclipped) & (covariance > clip_cov_lb) & (covariance < clip_cov_ub)).nonzero()
+    wanted = max(int(clip_cov_ratio * int(valid.sum())), 1)
+    keep = torch.ones_like(advantages)
+    if len(candidates):
+        order = torch.randperm(len(candidates), generator=_selection_generator(response_mask, len(candidates)))
+        chosen = candidates[order[:wanted].to(candidates.device)]
+        keep[chosen[:, 0], chosen[:, 1]] = 0.0
+    loss_mat = torch.maximum(unclipped, clipped) * keep
+    loss = aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode,
+                          global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                          norm_length=norm_length)
+    return loss, _metrics(log_ratio, response_mask, masked_mean((keep == 0).float(), response_mask).item())
+
+
+@register_policy_loss("kl_cov")
+def compute_kl_cov_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None, kl_cov_ratio=0.0002, ppo_kl_coef=0.1,
+):
+    """KL-Cov: ``-A r``, plus ``ppo_kl_coef |log r|`` on the highest-covariance tokens (module docstring)."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    if not kl_cov_ratio > 0:
+        raise ValueError(f"kl_cov: policy_loss.kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    valid = response_mask.bool()
+    advantages = _zero_padding(advantages, response_mask)
+    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    loss_mat = -advantages * torch.exp(log_ratio)
+    covariance = _covariance(advantages, log_probs, response_mask)
+    valid_positions = valid.nonzero()
+    penalised = torch.zeros_like(valid)
+    if len(valid_positions):
+        count = max(1, int(len(valid_positions) * kl_cov_ratio))
+        top = torch.topk(covariance[valid], count, largest=True).indices
+        chosen = valid_positions[top]
+        penalised[chosen[:, 0], chosen[:, 1]] = True
+    loss_mat = torch.where(penalised, loss_mat + ppo_kl_coef * log_ratio.abs(), loss_mat)
+    loss = aggregate_loss(_weighted(loss_mat, rollout_is_weights), response_mask, loss_agg_mode,
+                          global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+                          norm_length=norm_length)
+    return loss, _metrics(log_ratio, response_mask, masked_mean(penalised.float(), response_mask).item())
