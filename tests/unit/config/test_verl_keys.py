@@ -4,6 +4,7 @@ key a reason points to exists; docs/verl_keys.md is the module's table and the R
 
 import dataclasses
 import re
+import types
 import typing
 
 import pytest
@@ -18,15 +19,18 @@ VERL_KEYS = [line for line in (REPO / "tests" / "unit" / "config" / "verl_0_9_1_
 
 
 def megarl_has(key: str) -> bool:
-    """The key is in megarl's schema (anything below a dict-valued field, megatron's override_* ones, is taken)."""
+    """The key is in megarl's schema (anything below a dict-valued field, megatron's override_* ones, is taken;
+    nothing below a plain value: ``policy_loss.dro_beta`` when policy_loss was a string)."""
     cls = MegarlConfig
     for part in key.split("."):
         if not dataclasses.is_dataclass(cls):
-            return True
+            return typing.get_origin(cls) is dict or cls is dict
         if part not in {f.name for f in dataclasses.fields(cls)}:
             return False
         hint = typing.get_type_hints(cls)[part]
-        cls = next((a for a in typing.get_args(hint) if a is not type(None)), hint) if typing.get_args(hint) else hint
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional[X]: X
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        cls = hint
     return True
 
 
