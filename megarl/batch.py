@@ -76,6 +76,7 @@ class TrainBatch(RolloutBatch):
     rollout_is_weights: Optional[torch.Tensor] = None  # [B, R] rollout correction's importance weights
     loss_mask: Optional[torch.Tensor] = None  # [B, R] response tokens the policy loss counts (None: response_mask);
     # generated_mask less what the rollout correction rejected
+    teacher_log_probs: Optional[torch.Tensor] = None  # [B, R] on-policy distillation: the teacher's, per row's teacher
 
     @classmethod
     def from_rollout(cls, rollout: RolloutBatch) -> "TrainBatch":

@@ -43,6 +43,8 @@ def check_registered_names(cfg: MegarlConfig) -> None:
         (actor.policy_loss.loss_mode, policy_losses, "actor_rollout_ref.actor.policy_loss.loss_mode"),
         (actor.loss_agg_mode, LOSS_AGG_MODES, "actor_rollout_ref.actor.loss_agg_mode"),
         (actor.kl_loss_type, KL_ESTIMATORS.names(), "actor_rollout_ref.actor.kl_loss_type"),
+        (cfg.distillation.distillation_loss.loss_mode, KL_ESTIMATORS.names(),
+         "distillation.distillation_loss.loss_mode"),
         (cfg.critic.loss_agg_mode, LOSS_AGG_MODES, "critic.loss_agg_mode"),
     ):
         check_choice(value, registered, key)

@@ -124,6 +124,11 @@ def unknown_keys(cls, values: dict, prefix: str = "") -> list[str]:
         inner, _ = _strip_optional(types_by_name[name])
         if dataclasses.is_dataclass(inner) and isinstance(value, dict):
             found += unknown_keys(inner, value, key)
+        elif typing.get_origin(inner) is dict and isinstance(value, dict):  # named entries of one section type
+            entry_type = (typing.get_args(inner) or (str, Any))[1]
+            if dataclasses.is_dataclass(entry_type):
+                found += [problem for entry, entry_values in value.items() if isinstance(entry_values, dict)
+                          for problem in unknown_keys(entry_type, entry_values, f"{key}.{entry}")]
     return found
 
 

@@ -45,6 +45,8 @@ def with_absolute_paths(cfg: MegarlConfig, base: str | Path) -> MegarlConfig:
     custom.path = _absolute(custom.path, base)
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     multi_turn.tool_config_path = _absolute(multi_turn.tool_config_path, base)
+    for teacher in cfg.distillation.teacher_models.values():
+        teacher.model_path = _absolute(teacher.model_path, base)
     if cfg.trainer.resume_mode not in ("auto", "disable"):
         cfg.trainer.resume_mode = _absolute(cfg.trainer.resume_mode, base, always=True)
     return cfg

@@ -435,6 +435,54 @@ class AsyncTrainingConfig:
 
 
 @dataclass
+class TeacherModelConfig:
+    """One teacher of on-policy distillation (verl's ``distillation.teacher_models.<name>``): a frozen Megatron
+    engine that scores the student's rollouts token by token. Its tokenizer must be the student's."""
+
+    model_path: Optional[str] = None
+    # the rows this teacher scores: those whose ``distillation.teacher_key`` field has this value (a single
+    # teacher with no key scores every row)
+    key: Optional[str] = None
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # its own layout; param_offload between uses
+    micro_batch_size_per_gpu: int = 8
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # with use_sequence_packing: micro-batches by tokens
+    use_sequence_packing: bool = False
+
+
+@dataclass
+class DistillationLossConfig:
+    """verl's ``distillation.distillation_loss``: how the teacher's log-probs of the student's tokens train it."""
+
+    # a per-token estimator of KL(student || teacher) (megarl.algorithms.kl: k1/kl, k2/mse, k3/low_var_kl, abs)
+    loss_mode: str = "k3"
+    topk: Optional[int] = 128  # forward_kl_topk's (not in megarl: refused when loss_mode asks for it)
+    use_task_rewards: bool = True  # true: the task's policy loss + distillation_loss_coef * distillation loss
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: Optional[float] = 10.0  # the per-token estimate clamped to [-x, x]
+    log_prob_min_clamp: Optional[float] = -10.0  # student and teacher log-probs clamped below at this
+    # true: the negated per-token estimate is the advantage of a PPO-clip loss (Thinking Machines' on-policy
+    # distillation; loss_mode=k1 recommended); false: the estimate itself is the loss (GKD; k3)
+    use_policy_gradient: bool = True
+    policy_loss_mode: str = "vanilla"  # the policy loss of use_policy_gradient (verl takes vanilla only)
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None  # defaults to clip_ratio
+    clip_ratio_high: Optional[float] = None  # defaults to clip_ratio
+
+
+@dataclass
+class DistillationConfig:
+    """On-policy distillation (verl's ``distillation`` section): teachers score the student's own rollouts and
+    the student is trained toward them, alone or beside the task's reward."""
+
+    enabled: bool = False
+    teacher_models: dict[str, TeacherModelConfig] = field(default_factory=dict)
+    teacher_key: str = "data_source"  # the row field (data_source, or a key of extra_info) routing rows to teachers
+    n_gpus_per_node: int = 0  # > 0: the teachers get their own pool (nnodes x n_gpus_per_node), else the actor's
+    nnodes: int = 0
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+
+
+@dataclass
 class MegarlConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -443,3 +491,4 @@ class MegarlConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)

@@ -310,6 +310,7 @@ def check_config(cfg: MegarlConfig) -> None:
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
 
+    check_distillation(cfg)
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
     if (actor.policy_loss.loss_mode in ("vanilla", "ppo_clip", "dual_clip") and actor.clip_ratio_c is not None
@@ -358,3 +359,30 @@ def check_config(cfg: MegarlConfig) -> None:
         )
     if t.save_freq == 0 or t.test_freq == 0:
         raise ConfigError("trainer.save_freq and trainer.test_freq must be positive or -1 (never)")
+
+
+def check_distillation(cfg: MegarlConfig) -> None:
+    """On-policy distillation's teachers and loss settings (``distillation.*``), read-only."""
+    d = cfg.distillation
+    if not d.enabled:
+        return
+    if not d.teacher_models:
+        raise ConfigError("distillation.enabled=true needs a teacher: distillation.teacher_models.<name>.model_path")
+    for name, teacher in d.teacher_models.items():
+        if not teacher.model_path:
+            raise ConfigError(f"distillation.teacher_models.{name}.model_path is not set")
+    keys = [t.key for t in d.teacher_models.values()]
+    if len(keys) > 1 and (None in keys or len(set(keys)) < len(keys)):
+        raise ConfigError(f"distillation.teacher_models: with several teachers each needs its own key (the "
+                          f"distillation.teacher_key={d.teacher_key!r} value of the rows it scores); got "
+                          f"{dict(zip(d.teacher_models, keys))}")
+    loss = d.distillation_loss
+    if loss.policy_loss_mode != "vanilla":
+        raise ConfigError(f"distillation.distillation_loss.policy_loss_mode={loss.policy_loss_mode!r}: only vanilla "
+                          f"(PPO clip), as in verl")
+    if loss.loss_mode in ("k1", "kl") and not loss.use_policy_gradient:
+        raise ConfigError("distillation.distillation_loss.loss_mode=k1 with use_policy_gradient=false: the gradient "
+                          "of k1 does not depend on the teacher; use k3, or use_policy_gradient=true")
+    if cfg.trainer.backend == "inprocess":
+        raise ConfigError("distillation.enabled=true: the teachers are worker groups of their own; "
+                          "trainer.backend=inprocess holds one worker (use trainer.backend=ray)")

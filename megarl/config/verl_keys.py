@@ -118,7 +118,6 @@ FULL = {
     "reward": ("verl's newer reward section: megarl's reward model is reward_model.* and custom scoring "
                "reward_model.custom_function.*"),
     "reward_model.rollout": "generative reward models (an LLM judge with its own rollout) use reward_model.remote.url",
-    "distillation": "on-policy distillation is not in megarl yet (planned: issue 39)",
     "global_profiler": "profiling is not in megarl yet (planned: issue 40)",
     "transfer_queue": "verl's transfer queue: megarl moves batches by Ray RPC and torch.distributed",
     "ray_kwargs": "megarl starts Ray itself or attaches with trainer.ray_address",
@@ -175,8 +174,13 @@ SEGMENT = {
                    "adapters); trainer.save_hf=true adds a Hugging Face copy"),
     "qat": "quantization-aware training is not in megarl",
     "router_replay": "MoE routing replay is not in megarl yet (planned: issue 36)",
+    "inference": ("megarl's distillation teachers are frozen Megatron engines scoring the student's tokens, not "
+                  "inference servers: distillation.teacher_models.<name>.megatron.* (layout, param_offload), "
+                  "micro_batch_size_per_gpu, use_sequence_packing"),
 }
 LEAF = {
+    "num_replicas": ("a teacher is one worker group over its pool's ranks (distillation.n_gpus_per_node / nnodes, or "
+                     "a share of the actor's); its data parallelism follows from its megatron layout"),
     "enable_gradient_checkpointing": ("activation recompute is Megatron's: actor_rollout_ref.actor.megatron."
                                       "recompute_granularity=full (or selective)"),
     "use_remove_padding": "megarl's key is actor_rollout_ref.model.use_sequence_packing=true",

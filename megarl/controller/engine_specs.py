@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from typing import Optional
 
 import torch
 
+from megarl.algorithms.distillation import DistillationSpec
 from megarl.algorithms.policy_loss import POLICY_LOSS_ALIASES, get_policy_loss
 from megarl.config.lora import resolve_targets
 from megarl.config.schema import ActorConfig, LoRAConfig, MegarlConfig, MegatronConfig, OptimConfig
@@ -110,6 +112,19 @@ def mini_batch_rows(cfg: MegarlConfig, ppo_mini_batch_size: int, dp_size: int) -
     return ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size
 
 
+def distillation_spec(cfg: MegarlConfig) -> Optional[DistillationSpec]:
+    """On-policy distillation's loss settings (``distillation.distillation_loss``), or None when it is off."""
+    if not cfg.distillation.enabled:
+        return None
+    d = cfg.distillation.distillation_loss
+    return DistillationSpec(
+        loss_mode=d.loss_mode, use_policy_gradient=d.use_policy_gradient, use_task_rewards=d.use_task_rewards,
+        distillation_loss_coef=d.distillation_loss_coef, loss_max_clamp=d.loss_max_clamp,
+        log_prob_min_clamp=d.log_prob_min_clamp,
+        clip_ratio_low=d.clip_ratio if d.clip_ratio_low is None else d.clip_ratio_low,
+        clip_ratio_high=d.clip_ratio if d.clip_ratio_high is None else d.clip_ratio_high)
+
+
 def actor_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
     """The keyword arguments of ``ActorEngine.update_policy`` for this config, on a rank of ``dp_size``
     data-parallel replicas."""
@@ -117,7 +132,7 @@ def actor_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
     return dict(ppo_epochs=a.ppo_epochs, mini_batch_size=mini_batch_rows(cfg, a.ppo_mini_batch_size, dp_size),
                 **policy_loss_arguments(a), entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
                 kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
-                norm_length=cfg.data.max_response_length)
+                norm_length=cfg.data.max_response_length, distillation=distillation_spec(cfg))
 
 
 def critic_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:

@@ -26,6 +26,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import RankGroup
 from megarl.controller.reward_model_worker import RewardModelWorker
 from megarl.controller.rollout_worker import RolloutWorker
+from megarl.controller.teacher_worker import TeacherWorker
 from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker, LogProbs
 from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
 
@@ -162,6 +163,53 @@ class RewardModel:
         return self._group.call(RewardModelWorker.compute_rm_scores, batch)[:rows]
 
 
+def teacher_rows(batch: TrainBatch, cfg: MegarlConfig) -> dict[str, list[int]]:
+    """Which rows each teacher scores: those whose ``distillation.teacher_key`` field (``data_source``, or a key of
+    the row's ``extra_info``) equals the teacher's ``key``; a single teacher without a key scores every row."""
+    d = cfg.distillation
+    teachers = d.teacher_models
+    if len(teachers) == 1 and next(iter(teachers.values())).key is None:
+        return {next(iter(teachers)): list(range(len(batch)))}
+    by_key = {t.key: name for name, t in teachers.items()}
+    rows: dict[str, list[int]] = {name: [] for name in teachers}
+    for row in range(len(batch)):
+        if d.teacher_key == "data_source":
+            value = batch.data_sources[row] if batch.data_sources else None
+        else:
+            info = batch.extra_infos[row] if batch.extra_infos else None
+            value = info.get(d.teacher_key) if isinstance(info, dict) else None
+        if value not in by_key:
+            raise ValueError(f"distillation: row {row} has {d.teacher_key}={value!r}, which no teacher's key names "
+                             f"(distillation.teacher_models.*.key: {sorted(map(str, by_key))})")
+        rows[by_key[value]].append(row)
+    return rows
+
+
+class Teachers:
+    """On-policy distillation's teachers: each scores its rows of a batch (:func:`teacher_rows`)."""
+
+    def __init__(self, groups: dict, cfg: MegarlConfig):
+        self._groups, self._cfg = groups, cfg  # teacher name -> its RankGroup
+
+    def log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        """``[B, R]``: every row's log-probs of its response tokens under its teacher. The teachers score at
+        once (each on its own ranks); a teacher's rows that do not split over its data-parallel ranks are
+        padded with copies of the last."""
+        pending = {}
+        for name, rows in teacher_rows(batch, self._cfg).items():
+            if not rows:
+                continue
+            group = self._groups[name]
+            dp = group.dp_layout.dp_size
+            padded = rows + [rows[-1]] * (-len(rows) % dp)
+            pending[name] = (rows, group.call_async(TeacherWorker.compute_teacher_log_probs,
+                                                    select_rows(batch, padded)))
+        out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
+        for rows, call in pending.values():
+            out[rows] = call.get()[:len(rows)]
+        return out
+
+
 @dataclass
 class Workers:
     """The roles of a run and what :meth:`shutdown` must release."""
@@ -170,6 +218,7 @@ class Workers:
     rollout: Rollout
     critic: Optional[Critic] = None
     reward_model: Optional[RewardModel] = None
+    teachers: Optional[Teachers] = None
     groups: list = field(default_factory=list)
     pools: list = field(default_factory=list)  # their placement groups outlive the run on an attached cluster
     started_ray: bool = False
@@ -223,6 +272,9 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
     t, rm = cfg.trainer, cfg.reward_model
     with_critic = bool(cfg.critic.enable)
     rm_shares_pool = rm.enable and not rm.enable_resource_pool
+    d = cfg.distillation
+    teachers = list(d.teacher_models) if d.enabled else []
+    teachers_share_pool = bool(teachers) and d.n_gpus_per_node == 0
     actor_kwargs: dict[str, Any] = dict(cfg=cfg, total_steps=total_steps, with_reference=needs_reference(cfg))
     critic_kwargs = dict(cfg=cfg, total_steps=total_steps)
     if t.backend == "inprocess":
@@ -230,6 +282,9 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
 
         if with_critic:
             raise ValueError("trainer.backend=inprocess holds one worker; PPO with a critic needs the ray backend")
+        if cfg.distillation.enabled:
+            raise ValueError("trainer.backend=inprocess holds one worker; distillation's teachers need the ray "
+                             "backend")
         device = resolve_device(cfg)
         group = InProcessWorkerGroup(ActorRolloutRefWorker, device=device, init_kwargs=actor_kwargs,
                                      env=worker_env_for(device), name_prefix="actor_rollout_ref")
@@ -257,7 +312,8 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
         pool = ResourcePool("train" if separate else "colocated", train_nodes, device=device,
                             cpus_per_process=per_process_cpus)
         workers.pools.append(pool)
-        share = 1.0 / (1 + with_critic + rm_shares_pool)  # of each GPU bundle, per role placed on it
+        # of each GPU bundle, per role placed on it
+        share = 1.0 / (1 + with_critic + rm_shares_pool + (len(teachers) if teachers_share_pool else 0))
         timeout = t.worker_timeout_s
         env = worker_env_for(device)
         actor_group = WorkerGroup(pool, ActorRolloutRefWorker, name_prefix="actor_rollout_ref", bundle_share=share,
@@ -292,6 +348,20 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
                                    call_timeout_s=timeout, init_timeout_s=timeout)
             workers.groups.append(rm_group)
             workers.reward_model = RewardModel(rm_group)
+        if teachers:
+            teacher_pool, teacher_share = pool, share
+            if not teachers_share_pool:  # the teachers' own GPUs, split among them
+                teacher_pool = ResourcePool("teachers", [d.n_gpus_per_node] * max(d.nnodes, 1), device=device,
+                                            cpus_per_process=per_process_cpus)
+                workers.pools.append(teacher_pool)
+                teacher_share = 1.0 / len(teachers)
+            groups = {}
+            for name in teachers:
+                groups[name] = WorkerGroup(teacher_pool, TeacherWorker, name_prefix=f"teacher_{name}",
+                                           bundle_share=teacher_share, init_kwargs=dict(cfg=cfg, teacher=name),
+                                           env=env, call_timeout_s=timeout, init_timeout_s=timeout)
+                workers.groups.append(groups[name])
+            workers.teachers = Teachers(groups, cfg)
         return workers
     except BaseException:
         workers.shutdown()

@@ -217,7 +217,8 @@ class ActorRolloutRefWorker(MegatronRole):
         return log_probs.cpu()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0,
-              reads=MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights", "loss_mask"))
+              reads=MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights", "loss_mask",
+                                    "teacher_log_probs"))
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         self.residency.for_training(weight_sync_follows=True)
         with self.memory_peaks.track("update_actor"):

@@ -32,7 +32,7 @@ from megarl.batch import TrainBatch
 from megarl.config.loader import to_dict
 from megarl.config.lora import model_lora
 from megarl.config.schema import MegarlConfig
-from megarl.controller.roles import ActorRolloutRef, Critic, needs_reference
+from megarl.controller.roles import ActorRolloutRef, Critic, Teachers, needs_reference
 from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import mean_by_source
@@ -59,7 +59,8 @@ def build_kl_controller(cfg: MegarlConfig):
 
 class RLTrainer:
     def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, scorer: SampleScorer,
-                 actor: ActorRolloutRef, rollout, critic: Optional[Critic] = None, logger: MetricsLogger,
+                 actor: ActorRolloutRef, rollout, critic: Optional[Critic] = None,
+                 teachers: Optional[Teachers] = None, logger: MetricsLogger,
                  checkpoints: CheckpointManager, total_steps: int, stop_requested: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -68,6 +69,7 @@ class RLTrainer:
         self.scorer = scorer  # every reward source, combined (rule/function, reward model, judge)
         self.actor = actor
         self.critic = critic
+        self.teachers = teachers  # on-policy distillation (distillation.enabled)
         # rollout: the roles' Rollout (separate placement: the rollout workers; else the hybrid actor group), or
         # the multi-turn AgentRollout over it
         self.generator = Generator(cfg, rollout, tokenizer.pad_token_id)
@@ -146,6 +148,9 @@ class RLTrainer:
             if needs_reference(cfg):
                 with timed("ref", metrics):
                     batch.ref_log_probs = self.actor.compute_ref_log_probs(batch)
+            if self.teachers is not None:
+                with timed("teacher", metrics):
+                    batch.teacher_log_probs = self.teachers.log_probs(batch)
             if self.critic is not None:
                 with timed("values", metrics):
                     batch.values = self.critic.compute_values(batch)

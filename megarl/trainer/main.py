@@ -81,6 +81,28 @@ def build_rm_inputs(cfg: MegarlConfig, policy_tokenizer):
                              retokenize=True if rm.model.input_tokenizer else None)
 
 
+def check_teacher_tokenizers(cfg: MegarlConfig, tokenizer) -> None:
+    """Distillation compares log-probs of the same token ids: a teacher whose tokenizer maps text to other ids
+    than the student's is refused here, naming it, instead of training toward nonsense."""
+    from transformers import AutoTokenizer
+
+    from megarl.config import ConfigError
+    from megarl.models.embedded import resolve_model_path
+
+    if not cfg.distillation.enabled:
+        return
+    student = tokenizer.get_vocab()
+    for name, teacher in cfg.distillation.teacher_models.items():
+        vocab = AutoTokenizer.from_pretrained(str(resolve_model_path(teacher.model_path))).get_vocab()
+        differing = sorted(token for token in set(student) | set(vocab) if student.get(token) != vocab.get(token))
+        if differing:
+            raise ConfigError(
+                f"distillation.teacher_models.{name}: its tokenizer ({teacher.model_path}) is not the student's "
+                f"({cfg.actor_rollout_ref.model.tokenizer_path or cfg.actor_rollout_ref.model.path}): "
+                f"{len(differing)} token(s) map to other ids or are missing, e.g. {differing[:5]}; on-policy "
+                f"distillation compares log-probs of the same token ids, so teacher and student must share one")
+
+
 def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Path], total_steps: int) -> str:
     """Where this run writes, and whether it continues an earlier one: the first lines a user reads."""
     t = cfg.trainer
@@ -110,6 +132,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable else None
+    check_teacher_tokenizers(cfg, tokenizer)
     train_loader, val_dataset = build_data(cfg, tokenizer, tools)
     total_steps = t.total_training_steps or len(train_loader) * t.total_epochs
     reward_manager = build_reward_manager(cfg)
@@ -136,7 +159,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
         scorer = SampleScorer(cfg, tokenizer=tokenizer, reward_manager=reward_manager, rollout=workers.rollout,
                               reward_model=workers.reward_model, rm_inputs=build_rm_inputs(cfg, tokenizer))
         trainer = RLTrainer(cfg, tokenizer=tokenizer, train_loader=train_loader, val_dataset=val_dataset,
-                            scorer=scorer, actor=workers.actor, critic=workers.critic,
+                            scorer=scorer, actor=workers.actor, critic=workers.critic, teachers=workers.teachers,
                             rollout=agent_rollout or workers.rollout, logger=logger,
                             checkpoints=checkpoints,
                             total_steps=total_steps, stop_requested=lambda: stop.requested)

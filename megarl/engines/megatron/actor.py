@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
+from megarl.algorithms.distillation import DistillationSpec, distillation_loss
 from megarl.batch import TrainBatch
 from megarl.engines.megatron.engine import MegatronEngine, average_metrics
 from megarl.engines.megatron.micro_batches import MicroBatching
@@ -68,6 +69,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         clip_ratio_high: float = 0.2,
         clip_ratio_c: Optional[float] = None,
         policy_loss_options: Optional[dict] = None,
+        distillation: Optional[DistillationSpec] = None,
         entropy_coeff: float = 0.0,
         use_kl_loss: bool = False,
         kl_loss_coef: float = 0.0,
@@ -78,6 +80,8 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         """PPO loop over this DP shard. ``mini_batch_size`` is in local rows (default: the whole shard);
         each mini-batch is one optimizer step whose loss is normalised over all DP ranks' rows of that
         mini-batch. ``policy_loss_options``: the named loss's own settings (e.g. KL-Cov's ``kl_cov_ratio``).
+        ``distillation``: on-policy distillation toward ``batch.teacher_log_probs``
+        (:mod:`megarl.algorithms.distillation`), beside the task's policy loss or alone.
         Returns metrics averaged over the steps: pg_loss, pg_clipfrac, pg_clipfrac_lower (dual clip
         active), ppo_kl, entropy, (kl_loss), loss, grad_norm, lr, and loss_tokens (the tokens the loss counted in one
         epoch over every DP rank's rows: what the loss mask let through)."""
@@ -88,16 +92,21 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                 raise ValueError(f"update_policy: batch.{name} is required")
         if use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("update_policy: use_kl_loss=True needs batch.ref_log_probs")
+        if distillation is not None and batch.teacher_log_probs is None:
+            raise ValueError("update_policy: distillation needs batch.teacher_log_probs (the teachers' scores)")
         policy_loss = get_policy_loss(policy_loss_name)
         norm_length = norm_length or batch.response_ids.shape[1]
         fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss else ())
         # rollout correction (megarl.algorithms.rollout_correction): importance weights on the policy loss, and
         # the tokens it rejected out of the loss and out of its token counts
         fields += tuple(name for name in ("rollout_is_weights", "loss_mask") if getattr(batch, name) is not None)
+        fields += ("teacher_log_probs",) if distillation is not None else ()
 
         names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "pg_clipfrac_lower_wsum", "ppo_kl_wsum"]
         if use_kl_loss:
             names.append("kl_loss")
+        if distillation is not None:
+            names += ["distillation_loss", "distillation_abs_wsum"]
 
         def make_loss(num_tokens, num_seqs):
             counts = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs, norm_length=norm_length)
@@ -116,13 +125,24 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                     rollout_is_weights=mb.get("rollout_is_weights"), **counts, **(policy_loss_options or {}),
                 )
                 entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
-                total = pg_loss - entropy_coeff * entropy_share if entropy_coeff else pg_loss
+                total = pg_loss
                 n_tok = mask.sum()
+                distilled = {}
+                if distillation is not None:
+                    d_loss, d_metrics = distillation_loss(
+                        log_probs=log_probs, teacher_log_probs=mb["teacher_log_probs"],
+                        old_log_probs=mb["old_log_probs"], response_mask=mask, spec=distillation,
+                        loss_agg_mode=loss_agg_mode, rollout_is_weights=mb.get("rollout_is_weights"), **counts)
+                    total = distillation.task_weight * pg_loss + distillation.weight * d_loss
+                    distilled = {"distillation_loss": d_loss.detach(),
+                                 "distillation_abs_wsum": n_tok * d_metrics["distillation/abs_loss"]}
+                if entropy_coeff:
+                    total = total - entropy_coeff * entropy_share
                 reported = {
                     "pg_loss": pg_loss.detach(), "entropy": entropy_share.detach(),
                     "pg_clipfrac_wsum": n_tok * pg_metrics["pg_clipfrac"],
                     "pg_clipfrac_lower_wsum": n_tok * pg_metrics["pg_clipfrac_lower"],
-                    "ppo_kl_wsum": n_tok * pg_metrics["ppo_kl"], "num_tokens": n_tok,
+                    "ppo_kl_wsum": n_tok * pg_metrics["ppo_kl"], "num_tokens": n_tok, **distilled,
                 }
                 if use_kl_loss:
                     kl = kl_penalty(log_probs, mb["ref_log_probs"], kl_loss_type)

@@ -19,18 +19,27 @@ VERL_KEYS = [line for line in (REPO / "tests" / "unit" / "config" / "verl_0_9_1_
 
 
 def megarl_has(key: str) -> bool:
-    """The key is in megarl's schema (anything below a dict-valued field, megatron's override_* ones, is taken;
-    nothing below a plain value: ``policy_loss.dro_beta`` when policy_loss was a string)."""
-    cls = MegarlConfig
-    for part in key.split("."):
+    """The key is in megarl's schema: anything below a free dict-valued field (megatron's override_* ones) is
+    taken, a dict of sections (distillation.teacher_models.<name>) takes any name and checks the rest, and
+    nothing is taken below a plain value (``policy_loss.dro_beta`` when policy_loss was a string)."""
+    cls, parts = MegarlConfig, key.split(".")
+    index = 0
+    while index < len(parts):
         if not dataclasses.is_dataclass(cls):
-            return typing.get_origin(cls) is dict or cls is dict
+            if typing.get_origin(cls) is not dict:
+                return False
+            entry = (typing.get_args(cls) or (str, typing.Any))[1]
+            if not dataclasses.is_dataclass(entry):
+                return True
+            cls, index = entry, index + 1  # the entry's name
+            continue
+        part = parts[index]
         if part not in {f.name for f in dataclasses.fields(cls)}:
             return False
         hint = typing.get_type_hints(cls)[part]
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # Optional[X]: X
             hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        cls = hint
+        cls, index = hint, index + 1
     return True
 
 
@@ -60,7 +69,8 @@ def test_every_entry_answers_some_verl_key():
 def test_a_command_of_refused_verl_keys_gets_every_reason_at_once():
     sample = ["custom_reward_function.path", "trainer.critic_warmup", "actor_rollout_ref.model.trust_remote_code",
               "actor_rollout_ref.actor.profiler.enable", "critic.optim.betas", "actor_rollout_ref.actor.optim.muon_momentum",
-              "actor_rollout_ref.ref.megatron.tensor_model_parallel_size", "distillation.enabled",
+              "actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
+              "distillation.teacher_models.teacher_model.inference.name",
               "actor_rollout_ref.rollout.update_weights_bucket_megabytes"]
     with pytest.raises(ConfigError) as caught:
         load_config(None, [f"{key}=1" for key in sample] + ["actor_rollout_ref.rollout.tempreature=0.5"])

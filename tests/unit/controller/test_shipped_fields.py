@@ -13,11 +13,12 @@ from megarl.batch import TrainBatch
 from megarl.controller.dispatch import Collect, Dispatch, method_spec, register, ship_reads
 from megarl.controller.inprocess_group import InProcessWorkerGroup
 from megarl.controller.reward_model_worker import RewardModelWorker
+from megarl.controller.teacher_worker import TeacherWorker
 from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
 
 BATCH_METHODS = [ActorRolloutRefWorker.compute_log_probs, ActorRolloutRefWorker.compute_ref_log_probs,
                  ActorRolloutRefWorker.update_actor, CriticWorker.compute_values, CriticWorker.update_critic,
-                 RewardModelWorker.compute_rm_scores]
+                 RewardModelWorker.compute_rm_scores, TeacherWorker.compute_teacher_log_probs]
 
 
 def full_batch(rows: int = 4) -> TrainBatch:
@@ -28,11 +29,11 @@ def full_batch(rows: int = 4) -> TrainBatch:
         group_ids=[f"g{r // 2}" for r in range(rows)], data_sources=["src"] * rows, ground_truths=["7"] * rows,
         extra_infos=[{}] * rows, rollout_log_probs=tensor, old_log_probs=tensor, ref_log_probs=tensor,
         values=tensor, token_level_scores=tensor, token_level_rewards=tensor, advantages=tensor, returns=tensor,
-        rollout_is_weights=tensor, loss_mask=tensor.long(), generated_mask=tensor.long())
+        rollout_is_weights=tensor, loss_mask=tensor.long(), generated_mask=tensor.long(), teacher_log_probs=tensor)
 
 
 def test_every_worker_method_that_takes_a_batch_declares_what_it_reads():
-    for cls in (ActorRolloutRefWorker, CriticWorker, RewardModelWorker):
+    for cls in (ActorRolloutRefWorker, CriticWorker, RewardModelWorker, TeacherWorker):
         for name, method in inspect.getmembers(cls, inspect.isfunction):
             annotations = inspect.get_annotations(method)
             if any(value in ("TrainBatch", TrainBatch) for key, value in annotations.items() if key != "return"):

@@ -24,20 +24,25 @@ import inspect
 import pytest
 import torch
 
+from megarl.algorithms.distillation import DistillationSpec
 from megarl.batch import TrainBatch
 from megarl.controller.dispatch import method_spec
 from megarl.controller.workers import ActorRolloutRefWorker, CriticWorker
 from tests.dist_harness import run_distributed
 from tests.numerics import untimed
 
+# distillation on (beside the task's loss), so that the teacher's log-probs reach the loss in the baseline too
+DISTILL = DistillationSpec(loss_mode="k3", use_policy_gradient=False, distillation_loss_coef=0.5)
 BASE = dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
-            policy_loss_options=None, entropy_coeff=0.0,
+            policy_loss_options=None, distillation=DISTILL, entropy_coeff=0.0,
             use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", loss_agg_mode="token-mean",
             norm_length=None)
 # option -> (changed value, extra changes it needs to matter, the metrics it must move)
 OPTIONS = {
     "policy_loss_name": ("gspo", {"clip_ratio_c": None}, ("pg_loss",)),
     # the loss's own settings: KL-Cov's penalty on its highest-covariance tokens
+    "distillation": (DistillationSpec(loss_mode="k1", use_policy_gradient=True, use_task_rewards=False), {},
+                     ("loss", "distillation_loss")),
     "policy_loss_options": ({"kl_cov_ratio": 0.3, "ppo_kl_coef": 2.0},
                             {"policy_loss_name": "kl_cov", "clip_ratio_c": None}, ("pg_loss",)),
     "clip_ratio_low": (0.05, {}, ("pg_clipfrac",)),
@@ -69,7 +74,7 @@ def _perturbed(batch: TrainBatch, field: str) -> TrainBatch:
         value[:, 0] = 1 - value[:, 0]  # one more (or one fewer) real token at the left
     elif field == "response_ids":
         value[real] = (value[real] + 3) % 50 + 3
-    elif field in ("old_log_probs", "ref_log_probs", "values", "returns"):
+    elif field in ("old_log_probs", "ref_log_probs", "values", "returns", "teacher_log_probs"):
         value = value + 0.3 * torch.randn(value.shape, generator=g)
     elif field == "advantages":
         value = value.flip(0)
@@ -159,6 +164,7 @@ def _wiring_worker(rank):
     shift[:, 0] = -1.5  # ratio e^1.5 > clip_ratio_c on the first token: the dual clip has work to do
     batch.old_log_probs = log_probs + shift
     batch.ref_log_probs = log_probs + 0.2 * torch.randn(log_probs.shape, generator=g)
+    batch.teacher_log_probs = log_probs - 0.5 * torch.rand(log_probs.shape, generator=g)
     batch.advantages = torch.randn(8, 1, generator=g).expand_as(log_probs).contiguous()
     batch.rollout_is_weights = 0.5 + torch.rand(log_probs.shape, generator=g)
     batch.loss_mask = batch.response_mask.clone()
@@ -192,7 +198,7 @@ def _moved(a: dict, b: dict, names) -> bool:
 
 
 ROLES = {"actor": (ActorRolloutRefWorker.update_actor, "ActorEngine", "update_policy", OPTIONS, BASE,
-                   ("pg_loss", "loss", "kl_loss", "grad_norm")),
+                   ("pg_loss", "loss", "kl_loss", "grad_norm", "distillation_loss")),
          "critic": (CriticWorker.update_critic, "CriticEngine", "update_critic", CRITIC_OPTIONS, CRITIC_BASE,
                     ("vf_loss", "grad_norm"))}
 
