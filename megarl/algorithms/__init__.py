@@ -15,6 +15,7 @@ from megarl.algorithms.advantages import (
     compute_reinforce_plus_plus_baseline_advantages,
     compute_remax_advantages,
     compute_rloo_advantages,
+    compute_sppo_advantages,
     get_advantage_estimator,
     register_advantage,
 )
@@ -45,6 +46,7 @@ from megarl.algorithms.policy_loss_variants import (  # registered under verl's 
     compute_gpg_loss,
     compute_kl_cov_loss,
     compute_sapo_loss,
+    compute_sppo_loss,
 )
 from megarl.algorithms.registry import Registry
 from megarl.algorithms.value_loss import compute_value_loss, value_loss
@@ -78,6 +80,8 @@ __all__ = [
     "compute_remax_advantages",
     "compute_rloo_advantages",
     "compute_sapo_loss",
+    "compute_sppo_advantages",
+    "compute_sppo_loss",
     "compute_value_loss",
     "entropy_from_logits",
     "first_groups",

@@ -274,3 +274,27 @@ def compute_opo_advantages(
         per_seq = torch.where(size > 1, scores - weighted_mean, torch.zeros_like(scores))
         advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
     return advantages, advantages.clone()
+
+
+@register_advantage("sppo", uses_groups=True)
+def compute_sppo_advantages(
+    *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
+    norm_by_std=True, baseline_scores=None, eps=1e-6,
+):
+    """SPPO (Wu et al. 2024, arXiv 2405.00675): each response's estimated win rate against the policy,
+    ``P(y_i > pi | x) - 1/2``, from the scores of the prompt's other responses as the preference oracle (a
+    higher score wins, a tie is half a win). The ``sppo`` policy loss regresses the sequence log-ratio onto
+    ``eta`` times it. A lone response has no one to play: 0."""
+    _check_token_inputs(token_level_rewards, response_mask)
+    with torch.no_grad():
+        scores = _sequence_scores(token_level_rewards, response_mask)
+        index, _ = _group_index(group_ids, scores.shape[0], "sppo")
+        same_group = index.unsqueeze(0) == index.unsqueeze(1)
+        wins = (scores.unsqueeze(1) > scores.unsqueeze(0)).to(scores.dtype)
+        wins += 0.5 * (scores.unsqueeze(1) == scores.unsqueeze(0)).to(scores.dtype)
+        others = same_group & ~torch.eye(len(scores), dtype=torch.bool)
+        played = others.sum(-1)
+        win_rate = (wins * others).sum(-1) / played.clamp(min=1)
+        per_seq = torch.where(played > 0, win_rate - 0.5, torch.zeros_like(win_rate))
+        advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()

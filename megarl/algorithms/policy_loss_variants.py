@@ -211,3 +211,28 @@ def compute_kl_cov_loss(
                           global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
                           norm_length=norm_length)
     return loss, _metrics(log_ratio, response_mask, masked_mean(penalised.float(), response_mask).item())
+
+
+@register_policy_loss("sppo")
+def compute_sppo_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None, sppo_eta=1.0,
+):
+    """SPPO (arXiv 2405.00675; verl's recipe): ``(log pi(y)/pi_old(y) - sppo_eta * A)^2`` per sequence, the log-ratio
+    summed over the response and ``A`` the ``sppo`` estimator's win rate - 1/2, averaged over sequences (its own
+    aggregation, as verl's recipe; ``loss_agg_mode`` does not apply)."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    mask = response_mask.to(log_probs.dtype)
+    log_ratio = _zero_padding(log_probs - old_log_probs, response_mask)
+    present = mask.sum(-1) > 0
+    seq_log_ratio = (log_ratio * mask).sum(-1)
+    target = sppo_eta * (_zero_padding(advantages, response_mask) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    seq_loss = (seq_log_ratio - target.detach()).square()
+    if rollout_is_weights is not None:  # the sequence's mean weight
+        seq_loss = seq_loss * (rollout_is_weights.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    num_seqs = int(present.sum()) if global_num_seqs is None else global_num_seqs
+    if num_seqs <= 0:
+        raise ValueError("sppo: no sequence with valid tokens (global_num_seqs or count is 0)")
+    loss = torch.where(present, seq_loss, torch.zeros_like(seq_loss)).sum() / num_seqs
+    return loss, _metrics(log_ratio, response_mask)

@@ -147,6 +147,7 @@ class ActorConfig:
     # SAPO's gate temperatures (policy_loss.loss_mode=sapo) for positive / negative advantages, verl's keys
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    sppo_eta: float = 1.0  # SPPO's eta (policy_loss.loss_mode=sppo with algorithm.adv_estimator=sppo), verl's key
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

@@ -99,7 +99,8 @@ def policy_loss_arguments(actor: ActorConfig) -> dict:
     none. ``policy_loss_options``: the loss's own settings (KL-Cov's, Clip-Cov's, SAPO's ``tau_pos``/``tau_neg``),
     the ones its function takes."""
     name = POLICY_LOSS_ALIASES.get(actor.policy_loss.loss_mode, actor.policy_loss.loss_mode)
-    available = {**dataclasses.asdict(actor.policy_loss), "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg}
+    available = {**dataclasses.asdict(actor.policy_loss), "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg,
+                 "sppo_eta": actor.sppo_eta}
     accepted = inspect.signature(get_policy_loss(name)).parameters
     options = {key: value for key, value in available.items() if key in accepted}
     return dict(policy_loss_name=name, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,

@@ -1,4 +1,4 @@
-"""CISPO, SAPO, GMPO, GPG, KL-Cov and Clip-Cov against references written token by token from their papers'
+"""CISPO, SAPO, GMPO, GPG, KL-Cov, Clip-Cov and SPPO (with its win-rate estimator) against references written token by token from their papers'
 definitions (fp64, Python loops; the gradient through autograd of the reference), in every loss aggregation mode,
 with the micro-batch shares of a batch adding up to its loss."""
 
@@ -204,7 +204,7 @@ def test_clip_cov_cuts_the_gradient_of_a_few_in_range_tokens_and_is_ppo_elsewher
     _close(grad, lp_ref.grad)
 
 
-@pytest.mark.parametrize("name", ["cispo", "gpg", "sapo", "geo_mean"])
+@pytest.mark.parametrize("name", ["cispo", "gpg", "sapo", "geo_mean", "sppo"])
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_micro_batch_shares_add_up_to_the_batch_loss(name, mode):
     """With the step's global counts, each micro-batch's loss is its share (what the engine sums)."""
@@ -224,10 +224,39 @@ def test_micro_batch_shares_add_up_to_the_batch_loss(name, mode):
     _close(torch.cat(grads), whole_grad)
 
 
+def test_sppo_regresses_the_sequence_log_ratio_onto_eta_times_the_win_rate():
+    from megarl.algorithms import compute_sppo_advantages
+
+    lp, old, _, mask = _batch(7)
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.0, 2.0], dtype=torch.float64)
+    groups = ["a", "a", "a", "b", "b", "c"]  # c: a lone response
+    rewards = torch.zeros_like(lp)
+    for i, length in enumerate(mask.sum(-1).long().tolist()):
+        rewards[i, length - 1] = scores[i]
+    adv, _ = compute_sppo_advantages(token_level_rewards=rewards, response_mask=mask, group_ids=groups)
+    # win rates against the prompt's other responses (a tie is half a win), minus 1/2
+    expected_rate = {0: (1 + 0.5) / 2, 1: 0.0, 2: (1 + 0.5) / 2, 3: 1.0, 4: 0.0}
+    for i in range(6):
+        want = expected_rate[i] - 0.5 if i in expected_rate else 0.0
+        assert torch.allclose(adv[i][mask[i] > 0], torch.full_like(adv[i][mask[i] > 0], want)), i
+    eta = 2.5
+    loss, _, grad = _run("sppo", lp, old, adv, mask, "token-mean", sppo_eta=eta)
+    lp_ref = lp.clone().requires_grad_(True)
+    total = 0.0
+    for i in range(6):
+        ts = [t for t in range(mask.shape[1]) if mask[i, t]]
+        log_ratio = sum(lp_ref[i, t] - old[i, t] for t in ts)
+        total = total + (log_ratio - eta * adv[i, ts[0]]) ** 2
+    ref_loss = total / 6
+    ref_loss.backward()
+    _close(loss, ref_loss)
+    _close(grad, lp_ref.grad)
+
+
 def test_rollout_correction_weights_reach_every_loss():
     lp, old, adv, mask = _batch(6)
     weights = 0.5 + torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    for name in ("cispo", "gpg", "sapo", "geo_mean", "kl_cov", "clip_cov"):
+    for name in ("cispo", "gpg", "sapo", "geo_mean", "kl_cov", "clip_cov", "sppo"):
         plain, _, _ = _run(name, lp, old, adv, mask, "token-mean")
         lp2 = lp.clone().requires_grad_(True)
         weighted, _ = get_policy_loss(name)(log_probs=lp2, old_log_probs=old, advantages=adv, response_mask=mask,

@@ -112,7 +112,7 @@ def test_gspo_clips_whole_sequence():
 
 def test_registry_and_shape_errors():
     assert get_policy_loss("ppo_clip") is compute_ppo_clip_loss
-    with pytest.raises(ValueError, match="registered: cispo, clip_cov, geo_mean, gpg, gspo, kl_cov, ppo_clip, sapo"):
+    with pytest.raises(ValueError, match="registered: cispo, clip_cov, geo_mean, gpg, gspo, kl_cov, ppo_clip, sapo, sppo"):
         get_policy_loss("vanilla_pg")
     with pytest.raises(ValueError, match="advantages shape"):
         compute_ppo_clip_loss(log_probs=torch.zeros(2, 3), old_log_probs=torch.zeros(2, 3),

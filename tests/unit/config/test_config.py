@@ -209,6 +209,8 @@ def test_verls_policy_loss_block_and_each_losss_own_options():
         clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0)
     assert arguments("actor_rollout_ref.actor.policy_loss=sapo", "actor_rollout_ref.actor.tau_neg=2.0")[
         "policy_loss_options"] == dict(tau_pos=1.0, tau_neg=2.0)
+    assert arguments("actor_rollout_ref.actor.policy_loss=sppo", "actor_rollout_ref.actor.sppo_eta=3.0")[
+        "policy_loss_options"] == dict(sppo_eta=3.0)
     for mode in ("cispo", "geo_mean", "gpg", "gspo"):
         assert arguments(f"actor_rollout_ref.actor.policy_loss={mode}")["policy_loss_options"] == {}, mode
     # the shorthand followed by an option of the block keeps both, on the command line and in a file

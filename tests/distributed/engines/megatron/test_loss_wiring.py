@@ -251,9 +251,10 @@ def test_the_forward_only_calls_read_exactly_the_declared_fields(wiring, results
 
 # --- every policy loss through the engine: padded and packed micro-batches -----------------------------------
 # (the losses' own references: tests/unit/algorithms/test_policy_loss_variants.py)
-LOSSES = ("ppo_clip", "gspo", "cispo", "sapo", "geo_mean", "gpg", "kl_cov", "clip_cov")
+LOSSES = ("ppo_clip", "gspo", "cispo", "sapo", "geo_mean", "gpg", "kl_cov", "clip_cov", "sppo")
 BATCH_STATISTICS = ("kl_cov", "clip_cov")  # statistics over the micro-batch: compared with one micro-batch
 LOSS_OPTIONS = {"kl_cov": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0}, "sapo": {"tau_pos": 1.0, "tau_neg": 2.0},
+                "sppo": {"sppo_eta": 2.0},
                 "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": -10.0, "clip_cov_ub": 10.0}}
 ROWS = 8
 
