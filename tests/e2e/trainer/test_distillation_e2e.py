@@ -1,5 +1,5 @@
-"""On-policy distillation through the whole stack on CPU (real Ray): a teacher worker group scores the student's
-rollouts and the student moves toward it; a teacher with another tokenizer is refused at start-up, by name."""
+"""On-policy distillation through the whole stack on CPU (real Ray): teacher worker groups score the student's
+rollouts and the student moves toward them; a teacher with another tokenizer is refused at start-up, by name."""
 
 from __future__ import annotations
 
@@ -39,28 +39,6 @@ def _config(tmp_path: Path, teacher: Path, *overrides: str):
         "distillation.teacher_models.teacher.megatron.params_dtype=float32", *overrides])
 
 
-@pytest.mark.timeout(600)
-def test_the_student_moves_toward_its_teacher(tmp_path):
-    """Distillation alone (no task reward: use_task_rewards=false), the k3 estimate backpropagated (GKD); the
-    teacher colocated with the actor, its weights off between scorings. The per-token KL estimate on the
-    student's own samples falls."""
-    from megarl.trainer.main import run
-
-    history = run(_config(tmp_path, _teacher(tmp_path), "distillation.distillation_loss.use_task_rewards=false",
-                          "distillation.distillation_loss.use_policy_gradient=false",
-                          "distillation.distillation_loss.loss_mode=k3",
-                          "distillation.teacher_models.teacher.megatron.param_offload=true",
-                          "trainer.total_training_steps=6"))
-    kl = [row["actor/distillation_abs"] for row in history]
-    assert all("timing_s/teacher" in row for row in history)
-    # the first step's estimate is the gap the teacher's noise opened; four optimizer steps a step at lr 2e-3
-    # close most of it at once (recorded run, 2026-12-06: 0.144, 0.063, 0.060, 0.062, 0.054, 0.053; the steps
-    # after the first scatter by ~0.004): the last two steps at under half the first
-    assert kl[0] > 0.05, kl  # the teacher is not the student (an identical one would give exactly 0)
-    assert sum(kl[-2:]) / 2 < 0.5 * kl[0], kl
-    assert all(row["actor/pg_loss"] != 0 for row in history)  # computed (and reported), though not trained on
-
-
 def test_a_teacher_with_another_tokenizer_is_refused_by_name(tmp_path):
     from megarl.config import ConfigError
     from megarl.trainer.main import run
@@ -79,24 +57,30 @@ def test_a_teacher_with_another_tokenizer_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_teachers_on_their_own_pool_each_score_their_rows(tmp_path):
+def test_the_student_moves_toward_its_two_teachers(tmp_path):
     """Copy and reverse prompts, each scored by its own teacher (routed by the rows' extra_info op), the teachers
-    on a pool of their own with two data-parallel ranks each; beside the task's reward (use_task_rewards), as a
-    policy-gradient signal (Thinking Machines' form, k1)."""
+    on a pool of their own with two data-parallel ranks each (a teacher's rows padded to split over them), their
+    weights off the device between scorings. Distillation alone (no task reward), the k3 estimate backpropagated
+    (GKD): the per-token KL estimate on the student's own samples falls."""
     from megarl.trainer.main import run
 
     teachers = {"copy": _teacher(tmp_path / "copy", seed=3), "reverse": _teacher(tmp_path / "reverse", seed=4)}
     cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [
         f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.progress_bar=false", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.total_training_steps=2",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.total_training_steps=6",
         'data.train_files=["embedded:digits?num_digits=1","embedded:digits?op=reverse&num_digits=1"]',
         "distillation.enabled=true", "distillation.teacher_key=op", "distillation.n_gpus_per_node=2",
-        "distillation.nnodes=1", "distillation.distillation_loss.loss_mode=k1",
-        "distillation.distillation_loss.distillation_loss_coef=0.5",
+        "distillation.nnodes=1", "distillation.distillation_loss.use_task_rewards=false",
+        "distillation.distillation_loss.use_policy_gradient=false", "distillation.distillation_loss.loss_mode=k3",
         *[f"distillation.teacher_models.{op}.{setting}" for op, path in teachers.items()
-          for setting in (f"model_path={path}", f"key={op}", "megatron.params_dtype=float32")]])
+          for setting in (f"model_path={path}", f"key={op}", "megatron.params_dtype=float32",
+                          "megatron.param_offload=true")]])
     history = run(cfg)
-    assert len(history) == 2
-    for row in history:
-        assert row["actor/distillation_abs"] > 0 and "timing_s/teacher" in row
-        assert row["critic/score/mean"] >= 0  # the task's reward is still scored and trained on
+    kl = [row["actor/distillation_abs"] for row in history]
+    assert all("timing_s/teacher" in row for row in history)
+    assert all(row["actor/pg_loss"] != 0 for row in history)  # computed (and reported), though not trained on
+    # the first step's estimate is the gap the teachers' noise opened; four optimizer steps a step at lr 2e-3 close
+    # most of it at once (a single teacher's recorded run, 2026-12-06: 0.144, 0.063, 0.060, 0.062, 0.054, 0.053;
+    # the steps after the first scatter by ~0.004)
+    assert kl[0] > 0.05, kl  # the teachers are not the student (an identical one would give exactly 0)
+    assert sum(kl[-2:]) / 2 < 0.5 * kl[0], kl
