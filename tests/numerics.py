@@ -29,3 +29,17 @@ def untimed(metrics: dict) -> dict:
     """``metrics`` without wall-time entries (``*_s``, e.g. ``optimizer_step_s``): what two runs of the same
     computation must agree on exactly."""
     return {key: value for key, value in metrics.items() if not key.endswith("_s")}
+
+
+def aggregate_by_loops(per_token: dict, mask, mode: str, norm_length: int):
+    """A reference of megarl.algorithms.aggregation by loops: ``per_token[(row, t)]`` over the mask's valid
+    positions, reduced as the loss aggregation ``mode`` is defined (rows without a valid token not counted)."""
+    rows = [[per_token[(i, t)] for t in range(mask.shape[1]) if mask[i, t]] for i in range(mask.shape[0])]
+    rows = [r for r in rows if r]
+    if mode == "token-mean":
+        return sum(v for r in rows for v in r) / sum(len(r) for r in rows)
+    if mode == "seq-mean-token-sum":
+        return sum(sum(r) for r in rows) / len(rows)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+    return sum(sum(r) for r in rows) / (len(rows) * norm_length)

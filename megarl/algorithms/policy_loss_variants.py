@@ -40,6 +40,16 @@ def _log_ratio(log_probs, old_log_probs, response_mask):
     return _zero_padding(log_probs - old_log_probs, response_mask).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
+def _covariance_loss_inputs(name, ratio_option, ratio, log_probs, old_log_probs, advantages, response_mask):
+    """What Clip-Cov and KL-Cov both start from: their option checked, the valid tokens, the advantages and
+    log-ratio with padding zeroed, and each token's covariance."""
+    if not ratio > 0:
+        raise ValueError(f"{name}: policy_loss.{ratio_option} must be > 0, got {ratio}")
+    advantages = _zero_padding(advantages, response_mask)
+    return (response_mask.bool(), advantages, _log_ratio(log_probs, old_log_probs, response_mask),
+            _covariance(advantages, log_probs, response_mask))
+
+
 def _weighted(loss_mat, rollout_is_weights):
     """Rollout correction's importance weights (megarl.algorithms.rollout_correction): no gradient."""
     return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
@@ -161,15 +171,11 @@ def compute_clip_cov_loss(
 ):
     """Clip-Cov: PPO's clipped loss with the gradient of a few high-covariance tokens cut (module docstring)."""
     _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
-    if not clip_cov_ratio > 0:
-        raise ValueError(f"clip_cov: policy_loss.clip_cov_ratio must be > 0, got {clip_cov_ratio}")
-    valid = response_mask.bool()
-    advantages = _zero_padding(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    valid, advantages, log_ratio, covariance = _covariance_loss_inputs(
+        "clip_cov", "clip_cov_ratio", clip_cov_ratio, log_probs, old_log_probs, advantages, response_mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    covariance = _covariance(advantages, log_probs, response_mask)
     candidates = (valid & ~(clipped > unclipped) & (covariance > clip_cov_lb) & (covariance < clip_cov_ub)).nonzero()
     wanted = max(int(clip_cov_ratio * int(valid.sum())), 1)
     keep = torch.ones_like(advantages)
@@ -192,13 +198,9 @@ def compute_kl_cov_loss(
 ):
     """KL-Cov: ``-A r``, plus ``ppo_kl_coef |log r|`` on the highest-covariance tokens (module docstring)."""
     _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
-    if not kl_cov_ratio > 0:
-        raise ValueError(f"kl_cov: policy_loss.kl_cov_ratio must be > 0, got {kl_cov_ratio}")
-    valid = response_mask.bool()
-    advantages = _zero_padding(advantages, response_mask)
-    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    valid, advantages, log_ratio, covariance = _covariance_loss_inputs(
+        "kl_cov", "kl_cov_ratio", kl_cov_ratio, log_probs, old_log_probs, advantages, response_mask)
     loss_mat = -advantages * torch.exp(log_ratio)
-    covariance = _covariance(advantages, log_probs, response_mask)
     valid_positions = valid.nonzero()
     penalised = torch.zeros_like(valid)
     if len(valid_positions):

@@ -3,7 +3,8 @@ the transformer config and model provider for the role's layout, loading HF weig
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.controller.dispatch import DPInfo
@@ -12,6 +13,11 @@ from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.parallel import initialize_megatron_parallel
 from megarl.models.bridge import unwrap_model
 from megarl.models.parallel_layout import ParallelLayout
+
+
+def fitting_micro_batch(rows: int, configured: int) -> int:
+    """Fixed-row micro-batches must divide a shard: the largest size up to the configured one that does."""
+    return next(size for size in range(min(configured, rows), 0, -1) if rows % size == 0)
 
 
 class MegatronRole:
@@ -58,6 +64,26 @@ class MegatronRole:
             load_hf_weights([unwrap_model(chunk) for chunk in engine.model], self.model_path, self.bridge)
         if getattr(engine, "optimizer", None) is not None:  # fp32 main params must see the loaded weights
             engine.optimizer.reload_model_params()
+
+    # ---------------------------------------------------------------- a frozen engine that scores (RM, teacher)
+    def _offload_engine(self) -> None:
+        """``self.engine``'s weights off the device until :meth:`_engine_on_device` needs them again."""
+        from megarl.engines.megatron.offload import offload_engine
+
+        self.offloaded = offload_engine(self.engine, params=True, grads=False, optimizer=False)
+
+    @contextlib.contextmanager
+    def _engine_on_device(self, *, offload_after: bool) -> Iterator[None]:
+        """``self.engine`` on the device for the block; off it again afterwards with ``offload_after``, so a
+        colocated scorer holds device memory only while it scores."""
+        from megarl.engines.megatron.offload import reload_engine
+
+        if getattr(self, "offloaded", None) is not None:
+            reload_engine(self.offloaded)
+            self.offloaded = None
+        yield
+        if offload_after:
+            self._offload_engine()
 
     def close(self) -> None:
         """Tear down megatron's groups and the process group (a Ray worker just exits instead)."""

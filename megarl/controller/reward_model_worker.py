@@ -14,7 +14,7 @@ import torch
 from megarl.batch import MODEL_INPUTS, TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import Collect, Dispatch, register
-from megarl.controller.megatron_role import MegatronRole
+from megarl.controller.megatron_role import MegatronRole, fitting_micro_batch
 from megarl.engines.megatron.micro_batches import MicroBatching
 
 
@@ -36,26 +36,12 @@ class RewardModelWorker(MegatronRole):
         self._load_hf(self.engine)
         self.offloaded = None
         if rm.megatron.param_offload:
-            self._offload()
-
-    def _offload(self) -> None:
-        from megarl.engines.megatron.offload import offload_engine
-
-        self.offloaded = offload_engine(self.engine, params=True, grads=False, optimizer=False)
+            self._offload_engine()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
     def compute_rm_scores(self, batch: TrainBatch) -> torch.Tensor:
         """One score per row of this DP shard (fp32, on the CPU for the driver)."""
-        from megarl.engines.megatron.offload import reload_engine
-
-        if self.offloaded is not None:
-            reload_engine(self.offloaded)
-            self.offloaded = None
-        rows = len(batch)
-        micro = self.cfg.reward_model.micro_batch_size_per_gpu
-        # fixed-row micro-batches must divide the shard: the largest size up to the configured one that does
-        micro = next(size for size in range(min(micro, rows), 0, -1) if rows % size == 0)
-        scores = self.engine.compute_scores(batch, micro_batch_size=micro).cpu()
-        if self.cfg.reward_model.megatron.param_offload:
-            self._offload()
-        return scores
+        rm = self.cfg.reward_model
+        with self._engine_on_device(offload_after=rm.megatron.param_offload):
+            micro = fitting_micro_batch(len(batch), rm.micro_batch_size_per_gpu)
+            return self.engine.compute_scores(batch, micro_batch_size=micro).cpu()

@@ -15,7 +15,7 @@ import torch
 from megarl.batch import MODEL_INPUTS, TrainBatch
 from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import Collect, Dispatch, register
-from megarl.controller.megatron_role import MegatronRole
+from megarl.controller.megatron_role import MegatronRole, fitting_micro_batch
 from megarl.engines.megatron.micro_batches import MicroBatching
 
 
@@ -34,26 +34,13 @@ class TeacherWorker(MegatronRole):
         self._load_hf(self.engine)
         self.offloaded = None
         if spec.megatron.param_offload:
-            self._offload()
-
-    def _offload(self) -> None:
-        from megarl.engines.megatron.offload import offload_engine
-
-        self.offloaded = offload_engine(self.engine, params=True, grads=False, optimizer=False)
+            self._offload_engine()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
     def compute_teacher_log_probs(self, batch: TrainBatch) -> torch.Tensor:
         """``[B, R]`` fp32 log-probs of this DP shard's response tokens under the teacher (on the CPU)."""
-        from megarl.engines.megatron.offload import reload_engine
-
-        if self.offloaded is not None:
-            reload_engine(self.offloaded)
-            self.offloaded = None
         spec = self.cfg.distillation.teacher_models[self.teacher]
-        rows = len(batch)
-        # fixed-row micro-batches must divide the shard: the largest size up to the configured one that does
-        micro = next(size for size in range(min(spec.micro_batch_size_per_gpu, rows), 0, -1) if rows % size == 0)
-        log_probs, _ = self.engine.compute_log_probs(batch, micro_batch_size=micro)
-        if spec.megatron.param_offload:
-            self._offload()
+        with self._engine_on_device(offload_after=spec.megatron.param_offload):
+            micro = fitting_micro_batch(len(batch), spec.micro_batch_size_per_gpu)
+            log_probs, _ = self.engine.compute_log_probs(batch, micro_batch_size=micro)
         return log_probs.cpu()

@@ -11,6 +11,7 @@ import torch
 
 from megarl.algorithms import LOSS_AGG_MODES
 from megarl.algorithms.distillation import DistillationSpec, distillation_loss
+from tests.numerics import aggregate_by_loops
 
 
 def _batch(seed=0):
@@ -32,17 +33,6 @@ def _estimate(s: float, t: float, mode: str, spec: DistillationSpec) -> float:
     return min(max(value, -spec.loss_max_clamp), spec.loss_max_clamp)
 
 
-def _aggregate(per: dict, mask, mode):
-    rows = [[per[(i, t)] for t in range(mask.shape[1]) if mask[i, t]] for i in range(mask.shape[0])]
-    if mode == "token-mean":
-        return sum(v for r in rows for v in r) / sum(len(r) for r in rows)
-    if mode == "seq-mean-token-sum":
-        return sum(sum(r) for r in rows) / len(rows)
-    if mode == "seq-mean-token-mean":
-        return sum(sum(r) / len(r) for r in rows) / len(rows)
-    return sum(sum(r) for r in rows) / (len(rows) * mask.shape[1])
-
-
 def _run(spec, mode, student, teacher, old, mask):
     lp = student.clone().requires_grad_(True)
     loss, metrics = distillation_loss(log_probs=lp, teacher_log_probs=teacher, old_log_probs=old, response_mask=mask,
@@ -59,7 +49,7 @@ def test_supervised_distillation_is_the_clamped_estimate(estimator, mode):
     loss, metrics, grad = _run(spec, mode, student, teacher, old, mask)
     tokens = [(i, t) for i in range(4) for t in range(6) if mask[i, t]]
     per = {(i, t): _estimate(student[i, t].item(), teacher[i, t].item(), estimator, spec) for i, t in tokens}
-    assert loss.item() == pytest.approx(_aggregate(per, mask, mode), rel=1e-12)
+    assert loss.item() == pytest.approx(aggregate_by_loops(per, mask, mode, mask.shape[1]), rel=1e-12)
     assert metrics["distillation/abs_loss"] == pytest.approx(sum(abs(v) for v in per.values()) / len(tokens))
     # the gradient by central differences of the reference (no clamp boundary is this close to any point)
     h = 1e-6
@@ -67,7 +57,8 @@ def test_supervised_distillation_is_the_clamped_estimate(estimator, mode):
         up, down = dict(per), dict(per)
         up[(i, t)] = _estimate(student[i, t].item() + h, teacher[i, t].item(), estimator, spec)
         down[(i, t)] = _estimate(student[i, t].item() - h, teacher[i, t].item(), estimator, spec)
-        numeric = (_aggregate(up, mask, mode) - _aggregate(down, mask, mode)) / (2 * h)
+        width = mask.shape[1]
+        numeric = (aggregate_by_loops(up, mask, mode, width) - aggregate_by_loops(down, mask, mode, width)) / (2 * h)
         assert grad[i, t].item() == pytest.approx(numeric, rel=1e-5, abs=1e-8), (i, t)
     assert grad[0, 0] == 0  # below the log-prob clamp: no gradient
     assert (grad[mask == 0] == 0).all()

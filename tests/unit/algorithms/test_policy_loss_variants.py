@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megarl.algorithms import LOSS_AGG_MODES, get_policy_loss
+from tests.numerics import aggregate_by_loops
 
 LOW, HIGH = 0.2, 0.28
 
@@ -23,19 +24,6 @@ def _batch(seed=0, rows=6, width=7):
     advantages = torch.randn(rows, 1, generator=g, dtype=torch.float64).expand(rows, width).clone()
     advantages[1] += 0.3 * torch.randn(width, generator=g, dtype=torch.float64)  # one row with token advantages
     return log_probs, old, advantages, mask
-
-
-def _aggregate(per_token: dict, mask, mode: str, norm_length: int):
-    """``per_token[(i, t)]``: a 0-d tensor; the mode as aggregation.py's docstring defines it, by loops."""
-    rows = [[per_token[(i, t)] for t in range(mask.shape[1]) if mask[i, t]] for i in range(mask.shape[0])]
-    rows = [r for r in rows if r]
-    if mode == "token-mean":
-        return sum(v for r in rows for v in r) / sum(len(r) for r in rows)
-    if mode == "seq-mean-token-sum":
-        return sum(sum(r) for r in rows) / len(rows)
-    if mode == "seq-mean-token-mean":
-        return sum(sum(r) / len(r) for r in rows) / len(rows)
-    return sum(sum(r) for r in rows) / (len(rows) * norm_length)
 
 
 def _tokens(mask):
@@ -110,7 +98,7 @@ def _run(name, lp, old, adv, mask, mode, **options):
 def _reference(per_token_fn, lp, old, adv, mask, mode, **kwargs):
     lp = lp.clone().requires_grad_(True)
     value = per_token_fn(lp, old, adv, mask, **kwargs)
-    loss = value if isinstance(value, torch.Tensor) else _aggregate(value, mask, mode, mask.shape[1])
+    loss = value if isinstance(value, torch.Tensor) else aggregate_by_loops(value, mask, mode, mask.shape[1])
     loss.backward()
     return loss, lp.grad
 
@@ -163,7 +151,7 @@ def test_kl_cov_penalises_the_highest_covariance_tokens(mode):
     loss, metrics, grad = _run("kl_cov", lp, old, adv, mask, mode, kl_cov_ratio=ratio, ppo_kl_coef=coef)
     lp_ref = lp.clone().requires_grad_(True)
     per, fraction = ref_kl_cov(lp_ref, old, adv, mask, ratio, coef)
-    ref_loss = _aggregate(per, mask, mode, mask.shape[1])
+    ref_loss = aggregate_by_loops(per, mask, mode, mask.shape[1])
     ref_loss.backward()
     _close(loss, ref_loss)
     _close(grad, lp_ref.grad)
@@ -198,7 +186,7 @@ def test_clip_cov_cuts_the_gradient_of_a_few_in_range_tokens_and_is_ppo_elsewher
         r = torch.exp(lp_ref[i, t] - old[i, t])
         ppo = torch.maximum(-adv[i, t] * r, -adv[i, t] * _clip(r, 1 - LOW, 1 + HIGH))
         per[(i, t)] = ppo * (0.0 if (i, t) in cut else 1.0)
-    ref_loss = _aggregate(per, mask, mode, mask.shape[1])
+    ref_loss = aggregate_by_loops(per, mask, mode, mask.shape[1])
     ref_loss.backward()
     _close(loss, ref_loss)
     _close(grad, lp_ref.grad)
