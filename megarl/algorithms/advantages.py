@@ -298,3 +298,29 @@ def compute_sppo_advantages(
         per_seq = torch.where(played > 0, win_rate - 0.5, torch.zeros_like(win_rate))
         advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
     return advantages, advantages.clone()
+
+
+@register_advantage("spin", uses_groups=True)
+def compute_spin_advantages(
+    *, token_level_rewards, response_mask, group_ids=None, values=None, gamma=1.0, lam=1.0,
+    norm_by_std=True, baseline_scores=None, eps=1e-6,
+):
+    """SPIN's preference labels (verl's recipe: online DPO): after :func:`megarl.algorithms.preference.
+    preference_pair_rows` each group is one pair; its higher-scored response is chosen (+1), the other rejected
+    (-1), the first of a tie chosen. The ``dpo`` policy loss reads them."""
+    _check_token_inputs(token_level_rewards, response_mask)
+    with torch.no_grad():
+        scores = _sequence_scores(token_level_rewards, response_mask)
+        index, num_groups = _group_index(group_ids, scores.shape[0], "spin")
+        per_seq = torch.zeros_like(scores)
+        for group in range(num_groups):
+            rows = (index == group).nonzero().flatten().tolist()
+            if len(rows) != 2:
+                raise ValueError(f"spin: group {group} has {len(rows)} responses; SPIN trains on pairs (one chosen, "
+                                 f"one rejected per prompt), made by preference_pair_rows")
+            first, second = rows
+            chosen = first if scores[first] >= scores[second] else second
+            per_seq[first] = per_seq[second] = -1.0
+            per_seq[chosen] = 1.0
+        advantages = _broadcast(per_seq, response_mask, token_level_rewards.dtype)
+    return advantages, advantages.clone()

@@ -238,3 +238,42 @@ def compute_sppo_loss(
         raise ValueError("sppo: no sequence with valid tokens (global_num_seqs or count is 0)")
     loss = torch.where(present, seq_loss, torch.zeros_like(seq_loss)).sum() / num_seqs
     return loss, _metrics(log_ratio, response_mask)
+
+
+@register_policy_loss("dpo")
+def compute_dpo_loss(
+    *, log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high,
+    clip_ratio_c=None, loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None, norm_length=None,
+    rollout_is_weights=None, ref_log_probs=None, dpo_beta=0.1, dpo_loss_type="sigmoid", dpo_label_smoothing=0.0,
+):
+    """DPO over online pairs (SPIN as verl's recipe runs it; Rafailov et al. 2023): rows come as (chosen,
+    rejected) pairs, ``advantages`` +1 / -1 (the ``spin`` estimator). With ``x = (log pi(c) - log pi(r)) -
+    (log ref(c) - log ref(r))``, sequence log-probs summed over the response, a pair's loss is
+    ``-(1 - eps) log sigmoid(beta x) - eps log sigmoid(-beta x)`` (``dpo_loss_type=sigmoid``, label smoothing eps) or
+    ``(x - 1 / (2 beta))^2`` (``ipo``), averaged over the step's pairs (its own aggregation; ``loss_agg_mode`` does not
+    apply). ``pg_clipfrac`` reports the fraction of pairs the policy does not yet rank the chosen one higher."""
+    _check_inputs(log_probs, old_log_probs, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    if ref_log_probs is None:
+        raise ValueError("dpo: the reference's log-probs are needed (the engine passes batch.ref_log_probs)")
+    if dpo_loss_type not in ("sigmoid", "ipo"):
+        raise ValueError(f"dpo: actor_rollout_ref.actor.dpo_loss_type={dpo_loss_type!r}: sigmoid or ipo")
+    rows = log_probs.shape[0]
+    mask = response_mask.to(log_probs.dtype)
+    label = (_zero_padding(advantages, response_mask) * mask).sum(-1)
+    if rows % 2 or not (bool((label[0::2] > 0).all()) and bool((label[1::2] < 0).all())):
+        raise ValueError(f"dpo: the {rows} rows here are not whole (chosen, rejected) pairs in order: pairs must not "
+                         f"be split (actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu even, no token-budget "
+                         f"packing)")
+    policy = (_zero_padding(log_probs, response_mask) * mask).sum(-1)
+    reference = (_zero_padding(ref_log_probs, response_mask).detach() * mask).sum(-1)
+    margin = (policy[0::2] - policy[1::2]) - (reference[0::2] - reference[1::2])
+    if dpo_loss_type == "sigmoid":
+        pair_loss = (-(1 - dpo_label_smoothing) * torch.nn.functional.logsigmoid(dpo_beta * margin)
+                     - dpo_label_smoothing * torch.nn.functional.logsigmoid(-dpo_beta * margin))
+    else:
+        pair_loss = (margin - 1 / (2 * dpo_beta)).square()
+    num_pairs = rows // 2 if global_num_seqs is None else global_num_seqs / 2
+    loss = pair_loss.sum() / num_pairs
+    log_ratio = _log_ratio(log_probs, old_log_probs, response_mask)
+    misranked = float((policy[0::2] <= policy[1::2]).float().mean())
+    return loss, _metrics(log_ratio, response_mask, misranked)

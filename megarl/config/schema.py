@@ -148,6 +148,11 @@ class ActorConfig:
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     sppo_eta: float = 1.0  # SPPO's eta (policy_loss.loss_mode=sppo with algorithm.adv_estimator=sppo), verl's key
+    # SPIN / online DPO (policy_loss.loss_mode=dpo with algorithm.adv_estimator=spin): beta, sigmoid | ipo, and the
+    # label smoothing of the sigmoid loss
+    dpo_beta: float = 0.1
+    dpo_loss_type: str = "sigmoid"
+    dpo_label_smoothing: float = 0.0
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -382,6 +387,8 @@ class AlgorithmConfig:
 @dataclass
 class TrainerConfig:
     project_name: str = "megarl"
+    # SPIN: every this many steps the reference becomes the actor (the next iteration's opponent); 0: never
+    ref_update_freq: int = 0
     # None: <adv_estimator>_<model directory name>, so a run without a name never writes into another run's folder
     experiment_name: Optional[str] = None
     total_epochs: int = 1

@@ -97,7 +97,7 @@ def _check_batches(prefix: str, mini: int, micro: int, train_batch: int, n: int,
         fits = max(d for d in range(1, min(micro, per_rank) + 1) if per_rank % d == 0)
         raise ConfigError(
             f"{per_rank} responses per data-parallel rank per mini-batch ({prefix}.ppo_mini_batch_size={mini} x "
-            f"actor_rollout_ref.rollout.n={n} / {dp} rank(s)) are not divisible by "
+            f"{n} per prompt (actor_rollout_ref.rollout.n; SPIN: its pair) / {dp} rank(s)) are not divisible by "
             f"{prefix}.ppo_micro_batch_size_per_gpu={micro}: set it to a divisor of {per_rank} (e.g. "
             f"{prefix}.ppo_micro_batch_size_per_gpu={fits}), or raise ppo_mini_batch_size"
         )
@@ -311,6 +311,7 @@ def check_config(cfg: MegarlConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.top_p must be in (0, 1], got {rollout.top_p}")
 
     check_distillation(cfg)
+    check_self_play(cfg)
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
     if (actor.policy_loss.loss_mode in ("vanilla", "ppo_clip", "dual_clip") and actor.clip_ratio_c is not None
@@ -338,8 +339,9 @@ def check_config(cfg: MegarlConfig) -> None:
         block_lora(cfg.critic.model.lora, "critic.model.lora")
     n_train = training_world_size(cfg)
     dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train, arr.model.layer_spec)
+    per_prompt = 2 if cfg.algorithm.adv_estimator == "spin" else rollout.n  # SPIN trains on one pair per prompt
     _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                   data.train_batch_size, rollout.n, dp, by_tokens=actor.ppo_max_token_len_per_gpu is not None)
+                   data.train_batch_size, per_prompt, dp, by_tokens=actor.ppo_max_token_len_per_gpu is not None)
     if cfg.critic.enable:
         critic_dp = _check_megatron(cfg.critic.megatron, "critic.megatron", n_train, arr.model.layer_spec)
         _check_batches("critic", cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,
@@ -386,3 +388,29 @@ def check_distillation(cfg: MegarlConfig) -> None:
     if cfg.trainer.backend == "inprocess":
         raise ConfigError("distillation.enabled=true: the teachers are worker groups of their own; "
                           "trainer.backend=inprocess holds one worker (use trainer.backend=ray)")
+
+
+def check_self_play(cfg: MegarlConfig) -> None:
+    """SPIN's pieces go together: online pairs (adv_estimator=spin), the DPO loss over them, pairs kept whole in
+    every micro-batch, and a reference of its own to refresh."""
+    actor = cfg.actor_rollout_ref.actor
+    spin, dpo = cfg.algorithm.adv_estimator == "spin", actor.policy_loss.loss_mode == "dpo"
+    if spin != dpo:
+        raise ConfigError(f"SPIN is algorithm.adv_estimator=spin with actor_rollout_ref.actor.policy_loss.loss_mode="
+                          f"dpo (the pairs' labels and their loss); got adv_estimator={cfg.algorithm.adv_estimator!r}, "
+                          f"loss_mode={actor.policy_loss.loss_mode!r}")
+    if dpo:
+        if actor.ppo_micro_batch_size_per_gpu % 2:
+            raise ConfigError(f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+                              f"{actor.ppo_micro_batch_size_per_gpu}: DPO's (chosen, rejected) pairs must not be split: "
+                              f"use an even number")
+        if cfg.actor_rollout_ref.model.use_sequence_packing and actor.ppo_max_token_len_per_gpu:
+            raise ConfigError("actor_rollout_ref.actor.ppo_max_token_len_per_gpu with sequence packing groups rows by "
+                              "length, which splits DPO's pairs: leave it unset for SPIN")
+        if actor.dpo_beta <= 0:
+            raise ConfigError(f"actor_rollout_ref.actor.dpo_beta must be > 0, got {actor.dpo_beta}")
+    if cfg.trainer.ref_update_freq < 0:
+        raise ConfigError(f"trainer.ref_update_freq must be >= 0 (0: never), got {cfg.trainer.ref_update_freq}")
+    if cfg.trainer.ref_update_freq > 0 and model_lora(cfg.actor_rollout_ref.model) is not None:
+        raise ConfigError("trainer.ref_update_freq: with LoRA the reference is the frozen base, which cannot "
+                          "become the actor")

@@ -100,7 +100,8 @@ def policy_loss_arguments(actor: ActorConfig) -> dict:
     the ones its function takes."""
     name = POLICY_LOSS_ALIASES.get(actor.policy_loss.loss_mode, actor.policy_loss.loss_mode)
     available = {**dataclasses.asdict(actor.policy_loss), "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg,
-                 "sppo_eta": actor.sppo_eta}
+                 "sppo_eta": actor.sppo_eta, "dpo_beta": actor.dpo_beta, "dpo_loss_type": actor.dpo_loss_type,
+                 "dpo_label_smoothing": actor.dpo_label_smoothing}
     accepted = inspect.signature(get_policy_loss(name)).parameters
     options = {key: value for key, value in available.items() if key in accepted}
     return dict(policy_loss_name=name, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
@@ -109,8 +110,9 @@ def policy_loss_arguments(actor: ActorConfig) -> dict:
 
 def mini_batch_rows(cfg: MegarlConfig, ppo_mini_batch_size: int, dp_size: int) -> int:
     """Rows of one mini-batch on a rank of ``dp_size`` data-parallel replicas: ``ppo_mini_batch_size`` prompts,
-    each with its ``rollout.n`` responses, split over the replicas."""
-    return ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n // dp_size
+    each with its ``rollout.n`` responses (SPIN: its one chosen / rejected pair), split over the replicas."""
+    per_prompt = 2 if cfg.algorithm.adv_estimator == "spin" else cfg.actor_rollout_ref.rollout.n
+    return ppo_mini_batch_size * per_prompt // dp_size
 
 
 def distillation_spec(cfg: MegarlConfig) -> Optional[DistillationSpec]:

@@ -32,7 +32,8 @@ from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
 
 
 def needs_reference(cfg: MegarlConfig) -> bool:
-    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return (cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+            or cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "dpo")
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -103,6 +104,10 @@ class ActorRolloutRef:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One PPO update over the batch (its mini-batches and epochs); the actor's metrics."""
         return self._group.call(ActorRolloutRefWorker.update_actor, batch)
+
+    def update_reference(self) -> None:
+        """The reference becomes the actor's current weights (SPIN: the next iteration's opponent)."""
+        self._group.call(ActorRolloutRefWorker.update_reference)
 
     def sync_weights(self) -> dict[str, float]:
         """The actor's weights into the rollout engines; the metrics of the sync."""

@@ -224,6 +224,13 @@ class ActorRolloutRefWorker(MegatronRole):
         with self.memory_peaks.track("update_actor"):
             return self.actor.update_policy(batch, **self.update_arguments)
 
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def update_reference(self) -> None:
+        """The reference policy becomes the actor's current weights (SPIN's next iteration plays against them)."""
+        if self.reference is None:
+            raise RuntimeError("update_reference: this actor worker has no reference engine of its own")
+        copy_model_weights(self.actor.model, self.reference.model)
+
     def _load_adapter(self, engine, adapter_path: str) -> None:
         from megarl.weight_sync.adapters import load_peft_adapter
 

@@ -28,7 +28,8 @@ from megarl.agents.loop import conversation_metrics
 from megarl.algorithms import AdaptiveKLController, FixedKLController, apply_kl_in_reward, get_advantage_estimator
 from megarl.algorithms.masked import masked_mean
 from megarl.algorithms.rollout_correction import compute_rollout_correction, parse_bounds, rs_options, rs_thresholds
-from megarl.batch import TrainBatch
+from megarl.algorithms.preference import preference_pair_rows
+from megarl.batch import TrainBatch, select_rows
 from megarl.config.loader import to_dict
 from megarl.config.lora import model_lora
 from megarl.config.schema import MegarlConfig
@@ -135,6 +136,9 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         with timed("step", metrics):
             batch, scores, reward_metrics = self.rollout_mode.next_batch(step, metrics)
+            if cfg.algorithm.adv_estimator == "spin":  # SPIN trains on each prompt's chosen / rejected pair
+                rows = preference_pair_rows(batch.group_ids, scores)
+                batch, scores = select_rows(batch, rows), scores[rows]
             baseline = None
             if cfg.algorithm.adv_estimator == "remax":  # still a generation phase: before training takes the device
                 with timed("gen_baseline", metrics):
@@ -163,6 +167,9 @@ class RLTrainer:
                 metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
             if self.rollout_mode.weights_due(step):
                 self.rollout_mode.push_weights(step, metrics)
+            if cfg.trainer.ref_update_freq > 0 and step % cfg.trainer.ref_update_freq == 0:
+                self.actor.update_reference()  # SPIN: the next iteration plays against this policy
+                metrics["actor/reference_updated"] = 1.0
         metrics.update(reward_metrics)
         metrics.update(batch_metrics(batch, scores, entropy))
         tokens = float(batch.attention_mask.sum())

@@ -15,6 +15,7 @@ correction (TIS).
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
@@ -95,8 +96,12 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         if distillation is not None and batch.teacher_log_probs is None:
             raise ValueError("update_policy: distillation needs batch.teacher_log_probs (the teachers' scores)")
         policy_loss = get_policy_loss(policy_loss_name)
+        # a loss that compares with the reference itself (DPO) is handed its log-probs
+        loss_reads_reference = "ref_log_probs" in inspect.signature(policy_loss).parameters
+        if loss_reads_reference and batch.ref_log_probs is None:
+            raise ValueError(f"update_policy: policy loss {policy_loss_name!r} needs batch.ref_log_probs")
         norm_length = norm_length or batch.response_ids.shape[1]
-        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss else ())
+        fields = ("old_log_probs", "advantages") + (("ref_log_probs",) if use_kl_loss or loss_reads_reference else ())
         # rollout correction (megarl.algorithms.rollout_correction): importance weights on the policy loss, and
         # the tokens it rejected out of the loss and out of its token counts
         fields += tuple(name for name in ("rollout_is_weights", "loss_mask") if getattr(batch, name) is not None)
@@ -123,6 +128,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                     response_mask=mask, clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high,
                     clip_ratio_c=clip_ratio_c, loss_agg_mode=loss_agg_mode,
                     rollout_is_weights=mb.get("rollout_is_weights"), **counts, **(policy_loss_options or {}),
+                    **({"ref_log_probs": mb["ref_log_probs"]} if loss_reads_reference else {}),
                 )
                 entropy_share = aggregate_loss(entropy, mask, loss_agg_mode, **counts)
                 total = pg_loss

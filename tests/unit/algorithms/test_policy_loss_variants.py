@@ -241,6 +241,71 @@ def test_sppo_regresses_the_sequence_log_ratio_onto_eta_times_the_win_rate():
     _close(grad, lp_ref.grad)
 
 
+def _pairs(seed=8, pairs=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * pairs
+    mask = (torch.arange(5)[None] < torch.tensor([5, 3, 4, 2, 5, 1])[:rows, None]).double()
+    lp = -2 * torch.rand(rows, 5, generator=g, dtype=torch.float64)
+    old = lp + 0.1 * torch.randn(rows, 5, generator=g, dtype=torch.float64)
+    ref = lp + 0.5 * torch.randn(rows, 5, generator=g, dtype=torch.float64)
+    labels = torch.tensor([1.0, -1.0] * pairs, dtype=torch.float64)
+    return lp, old, ref, labels[:, None].expand(rows, 5) * mask, mask
+
+
+@pytest.mark.parametrize("loss_type, smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
+def test_dpo_over_online_pairs_matches_its_definition(loss_type, smoothing):
+    lp, old, ref, adv, mask = _pairs()
+    beta = 0.3
+    options = dict(ref_log_probs=ref, dpo_beta=beta, dpo_loss_type=loss_type, dpo_label_smoothing=smoothing)
+    loss, metrics, grad = _run("dpo", lp, old, adv, mask, "token-mean", **options)
+    lp_ref = lp.clone().requires_grad_(True)
+    total = 0.0
+    for pair in range(3):
+        c, r = 2 * pair, 2 * pair + 1
+        seq = [sum(x[row, t] for t in range(5) if mask[row, t]) for x in (lp_ref, ref) for row in (c, r)]
+        margin = (seq[0] - seq[1]) - (seq[2] - seq[3])
+        if loss_type == "sigmoid":
+            total = total - (1 - smoothing) * torch.log(torch.sigmoid(beta * margin)) \
+                - smoothing * torch.log(torch.sigmoid(-beta * margin))
+        else:
+            total = total + (margin - 1 / (2 * beta)) ** 2
+    ref_loss = total / 3
+    ref_loss.backward()
+    _close(loss, ref_loss)
+    _close(grad, lp_ref.grad)
+    # two micro-batches of whole pairs, with the step's count of sequences, add up to the batch
+    counts = dict(global_num_seqs=6.0, global_num_tokens=float(mask.sum()))
+    shares = sum(get_policy_loss("dpo")(log_probs=lp[rows], old_log_probs=old[rows], advantages=adv[rows],
+                                        response_mask=mask[rows], clip_ratio_low=LOW, clip_ratio_high=HIGH,
+                                        **counts, **dict(options, ref_log_probs=ref[rows]))[0]
+                 for rows in ([0, 1], [2, 3, 4, 5]))
+    _close(shares, loss)
+
+
+def test_dpo_refuses_split_pairs_by_the_knob():
+    lp, old, ref, adv, mask = _pairs()
+    with pytest.raises(ValueError, match=r"not whole \(chosen, rejected\) pairs .*ppo_micro_batch_size_per_gpu even"):
+        _run("dpo", lp[1:5], old[1:5], adv[1:5], mask[1:5], "token-mean", ref_log_probs=ref[1:5])
+
+
+def test_spin_pairs_each_prompts_best_and_worst_and_labels_them():
+    from megarl.algorithms import compute_spin_advantages
+    from megarl.algorithms.preference import preference_pair_rows
+
+    groups = ["a", "a", "a", "b", "b", "b"]
+    scores = torch.tensor([0.0, 1.0, 0.5, 0.0, 0.0, 0.0])
+    rows = preference_pair_rows(groups, scores)
+    assert rows == [1, 0, 3, 4]  # a: best 1, worst 0; b: all tied, the first two (as verl's argmax / argmin)
+    mask = torch.ones(4, 3)
+    rewards = torch.zeros(4, 3)
+    rewards[:, -1] = scores[rows]
+    adv, _ = compute_spin_advantages(token_level_rewards=rewards, response_mask=mask,
+                                     group_ids=[groups[r] for r in rows])
+    assert adv[:, 0].tolist() == [1.0, -1.0, 1.0, -1.0]
+    with pytest.raises(ValueError, match="needs actor_rollout_ref.rollout.n >= 2"):
+        preference_pair_rows(["a", "b"], torch.tensor([1.0, 0.0]))
+
+
 def test_rollout_correction_weights_reach_every_loss():
     lp, old, adv, mask = _batch(6)
     weights = 0.5 + torch.rand(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

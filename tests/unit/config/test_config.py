@@ -154,10 +154,14 @@ def test_names_are_checked_against_the_registries_themselves():
     from megarl.algorithms import (ADVANTAGE_ESTIMATORS, GROUP_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES,
                                    register_advantage)
 
+    # SPIN's pair labels and their DPO loss come together (checked by test_self_play_settings_go_together)
+    partner = {"spin": "actor_rollout_ref.actor.policy_loss=dpo", "dpo": "algorithm.adv_estimator=spin"}
     for name in ADVANTAGE_ESTIMATORS.names():
-        load_config(overrides=[f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=4"])
+        load_config(overrides=[f"algorithm.adv_estimator={name}", "actor_rollout_ref.rollout.n=4"]
+                    + ([partner[name]] if name in partner else []))
     for name in POLICY_LOSSES.names() + ["dual_clip"]:  # dual_clip: verl's older name of ppo_clip
-        load_config(overrides=[f"actor_rollout_ref.actor.policy_loss={name}"])
+        load_config(overrides=[f"actor_rollout_ref.actor.policy_loss={name}"]
+                    + ([partner[name]] if name in partner else []))
     for name in KL_ESTIMATORS.names():
         load_config(overrides=[f"actor_rollout_ref.actor.kl_loss_type={name}", f"algorithm.kl_penalty={name}"])
     with pytest.raises(ConfigError, match="algorithm.adv_estimator='leave_one_in' is not one of .*grpo"):
@@ -191,6 +195,21 @@ def test_ppo_clip_takes_verls_dual_clip_by_default():
     assert arguments("actor_rollout_ref.actor.policy_loss=gspo")["clip_ratio_c"] is None
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.clip_ratio_c .* must be > 1, or null"):
         arguments("actor_rollout_ref.actor.clip_ratio_c=0.5")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.adv_estimator=spin"], "SPIN is algorithm.adv_estimator=spin with"),
+    (["actor_rollout_ref.actor.policy_loss=dpo"], "SPIN is algorithm.adv_estimator=spin with"),
+    (["algorithm.adv_estimator=spin", "actor_rollout_ref.actor.policy_loss=dpo",
+      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "pairs must not be split"),
+    (["algorithm.adv_estimator=spin", "actor_rollout_ref.actor.policy_loss=dpo",
+      "actor_rollout_ref.model.use_sequence_packing=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512"],
+     "splits DPO's pairs"),
+    (["trainer.ref_update_freq=2", "actor_rollout_ref.model.lora.rank=8"], "the reference is the frozen base"),
+])
+def test_self_play_settings_go_together(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
 
 
 def test_verls_policy_loss_block_and_each_losss_own_options():

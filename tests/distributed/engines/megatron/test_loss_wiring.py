@@ -302,12 +302,32 @@ def _every_loss_worker(rank):
             engine.micro_batch_size, engine.micro_batching = saved
             results[(name, layout)] = dict(pg_loss=metrics["pg_loss"], pg_clipfrac=metrics["pg_clipfrac"],
                                            expected=float(expected), expected_clipfrac=expected_metrics["pg_clipfrac"])
+    # DPO over (chosen, rejected) pairs: micro-batches of whole pairs (two rows; packed by rows, not by tokens)
+    pairs = dataclasses.replace(batch, advantages=torch.tensor([1.0, -1.0] * (ROWS // 2))[:, None] * mask,
+                                ref_log_probs=log_probs + 0.5 * torch.randn(log_probs.shape, generator=g))
+    expected, _ = get_policy_loss("dpo")(
+        log_probs=log_probs, old_log_probs=pairs.old_log_probs, advantages=pairs.advantages, response_mask=mask,
+        clip_ratio_low=0.2, clip_ratio_high=0.2, ref_log_probs=pairs.ref_log_probs, dpo_beta=0.5)
+    for layout, engine in engines.items():
+        saved = engine.micro_batching
+        engine.micro_batching = MicroBatching(saved.sequence_packing, None)
+        metrics = engine.update_policy(pairs, policy_loss_name="dpo", clip_ratio_c=None,
+                                       policy_loss_options={"dpo_beta": 0.5}, mini_batch_size=ROWS)
+        engine.micro_batching = saved
+        results[("dpo", layout)] = dict(pg_loss=metrics["pg_loss"], expected=float(expected))
     return results
 
 
 @pytest.fixture(scope="module")
 def every_loss():
     return run_distributed(_every_loss_worker, 1, timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_dpo_reaches_the_engine_over_whole_pairs_with_the_references_log_probs(every_loss, layout):
+    got = every_loss[("dpo", layout)]
+    assert got["pg_loss"] == pytest.approx(got["expected"], rel=1e-5, abs=1e-6), got
+    assert abs(got["pg_loss"] - every_loss[("ppo_clip", layout)]["pg_loss"]) > 1e-4
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
