@@ -84,3 +84,21 @@ def test_the_student_moves_toward_its_two_teachers(tmp_path):
     # the steps after the first scatter by ~0.004)
     assert kl[0] > 0.05, kl  # the teachers are not the student (an identical one would give exactly 0)
     assert sum(kl[-2:]) / 2 < 0.5 * kl[0], kl
+
+
+@pytest.mark.timeout(600)
+def test_a_colocated_teacher_scores_beside_the_task_reward(tmp_path):
+    """The default placement: the teacher takes a share of the actor's GPUs (its weights off them between
+    scorings); the distillation loss as PPO-clip's negated advantage (k1: Thinking Machines' / NeMo-RL's reverse
+    KL) beside the task's policy loss at distillation_loss_coef."""
+    from megarl.trainer.main import run
+
+    history = run(_config(tmp_path, _teacher(tmp_path), "trainer.total_training_steps=2",
+                          "distillation.teacher_models.teacher.megatron.param_offload=true",
+                          "distillation.distillation_loss.loss_mode=k1",
+                          "distillation.distillation_loss.distillation_loss_coef=0.5"))
+    for row in history:
+        assert row["actor/distillation_abs"] > 0 and "timing_s/teacher" in row
+        # the step's loss is the task's policy loss plus half the distillation loss (no entropy or KL terms here)
+        assert row["actor/loss"] == pytest.approx(row["actor/pg_loss"] + 0.5 * row["actor/distillation_loss"],
+                                                  rel=1e-5, abs=1e-7)
