@@ -31,6 +31,26 @@ def _teacher(tmp_path: Path, seed: int = 3) -> Path:
     return out
 
 
+def _larger_teacher(tmp_path: Path, seed: int = 5) -> Path:
+    """A teacher twice the student's depth and wider, random, with the student's tokenizer files."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megarl.models.embedded import ensure_embedded_model
+
+    student = ensure_embedded_model("tiny-qwen2")
+    config = AutoConfig.from_pretrained(student)
+    config.num_hidden_layers, config.layer_types = 4, ["full_attention"] * 4
+    config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads = \
+        192, 384, 3, 3
+    torch.manual_seed(seed)
+    out = tmp_path / "larger_teacher"
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (student / name).is_file():
+            shutil.copyfile(student / name, out / name)
+    return out
+
+
 def _config(tmp_path: Path, teacher: Path, *overrides: str):
     return load_config(REPO / "configs" / "grpo_tiny.yaml", [
         f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.progress_bar=false",
@@ -87,13 +107,13 @@ def test_the_student_moves_toward_its_two_teachers(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_colocated_teacher_scores_beside_the_task_reward(tmp_path):
-    """The default placement: the teacher takes a share of the actor's GPUs (its weights off them between
-    scorings); the distillation loss as PPO-clip's negated advantage (k1: Thinking Machines' / NeMo-RL's reverse
-    KL) beside the task's policy loss at distillation_loss_coef."""
+def test_a_colocated_larger_teacher_scores_beside_the_task_reward(tmp_path):
+    """The default placement: a teacher larger than the student (twice its depth, wider) takes a share of the
+    actor's GPUs (its weights off them between scorings); the distillation loss as PPO-clip's negated advantage
+    (k1: Thinking Machines' / NeMo-RL's reverse KL) beside the task's policy loss at distillation_loss_coef."""
     from megarl.trainer.main import run
 
-    history = run(_config(tmp_path, _teacher(tmp_path), "trainer.total_training_steps=2",
+    history = run(_config(tmp_path, _larger_teacher(tmp_path), "trainer.total_training_steps=2",
                           "distillation.teacher_models.teacher.megatron.param_offload=true",
                           "distillation.distillation_loss.loss_mode=k1",
                           "distillation.distillation_loss.distillation_loss_coef=0.5"))
