@@ -55,6 +55,15 @@ def _weighted(loss_mat, rollout_is_weights):
     return loss_mat if rollout_is_weights is None else loss_mat * rollout_is_weights.detach()
 
 
+def _mean_over_sequences(seq_loss, present, global_num_seqs, name: str) -> torch.Tensor:
+    """A per-sequence loss's share of the step's mean over sequences (rows without a valid token left out; the
+    step's sequence count when micro-batched)."""
+    num_seqs = int(present.sum()) if global_num_seqs is None else global_num_seqs
+    if num_seqs <= 0:
+        raise ValueError(f"{name}: no sequence with valid tokens (global_num_seqs or count is 0)")
+    return torch.where(present, seq_loss, torch.zeros_like(seq_loss)).sum() / num_seqs
+
+
 def _metrics(log_ratio, response_mask, clipfrac=0.0, clipfrac_lower=0.0) -> dict[str, float]:
     return {"pg_clipfrac": float(clipfrac), "pg_clipfrac_lower": float(clipfrac_lower),
             **_kl_metrics(log_ratio, response_mask)}
@@ -124,10 +133,7 @@ def compute_gmpo_loss(
     if rollout_is_weights is not None:
         log_weights = torch.log(rollout_is_weights.detach().clamp(min=1e-10))
         seq_loss = seq_loss * torch.exp((log_weights * mask).sum(-1) / denominator)
-    num_seqs = int(present.sum()) if global_num_seqs is None else global_num_seqs
-    if num_seqs <= 0:
-        raise ValueError("geo_mean: no sequence with valid tokens (global_num_seqs or count is 0)")
-    loss = torch.where(present, seq_loss, torch.zeros_like(seq_loss)).sum() / num_seqs
+    loss = _mean_over_sequences(seq_loss, present, global_num_seqs, "geo_mean")
     clipped = (log_ratio != clamped) & response_mask.bool()
     return loss, _metrics(log_ratio, response_mask,
                           masked_mean((clipped & (advantages > 0)).float(), response_mask).item(),
@@ -233,10 +239,7 @@ def compute_sppo_loss(
     seq_loss = (seq_log_ratio - target.detach()).square()
     if rollout_is_weights is not None:  # the sequence's mean weight
         seq_loss = seq_loss * (rollout_is_weights.detach() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-    num_seqs = int(present.sum()) if global_num_seqs is None else global_num_seqs
-    if num_seqs <= 0:
-        raise ValueError("sppo: no sequence with valid tokens (global_num_seqs or count is 0)")
-    loss = torch.where(present, seq_loss, torch.zeros_like(seq_loss)).sum() / num_seqs
+    loss = _mean_over_sequences(seq_loss, present, global_num_seqs, "sppo")
     return loss, _metrics(log_ratio, response_mask)
 
 

@@ -500,3 +500,8 @@ class MegarlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
+
+    @property
+    def responses_trained_per_prompt(self) -> int:
+        """Rows of a prompt in the update: its ``rollout.n`` responses, or SPIN's one (chosen, rejected) pair."""
+        return 2 if self.algorithm.adv_estimator == "spin" else self.actor_rollout_ref.rollout.n

@@ -339,9 +339,8 @@ def check_config(cfg: MegarlConfig) -> None:
         block_lora(cfg.critic.model.lora, "critic.model.lora")
     n_train = training_world_size(cfg)
     dp = _check_megatron(actor.megatron, "actor_rollout_ref.actor.megatron", n_train, arr.model.layer_spec)
-    per_prompt = 2 if cfg.algorithm.adv_estimator == "spin" else rollout.n  # SPIN trains on one pair per prompt
     _check_batches("actor_rollout_ref.actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
-                   data.train_batch_size, per_prompt, dp, by_tokens=actor.ppo_max_token_len_per_gpu is not None)
+                   data.train_batch_size, cfg.responses_trained_per_prompt, dp, by_tokens=actor.ppo_max_token_len_per_gpu is not None)
     if cfg.critic.enable:
         critic_dp = _check_megatron(cfg.critic.megatron, "critic.megatron", n_train, arr.model.layer_spec)
         _check_batches("critic", cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size_per_gpu,

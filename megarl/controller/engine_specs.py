@@ -111,8 +111,7 @@ def policy_loss_arguments(actor: ActorConfig) -> dict:
 def mini_batch_rows(cfg: MegarlConfig, ppo_mini_batch_size: int, dp_size: int) -> int:
     """Rows of one mini-batch on a rank of ``dp_size`` data-parallel replicas: ``ppo_mini_batch_size`` prompts,
     each with its ``rollout.n`` responses (SPIN: its one chosen / rejected pair), split over the replicas."""
-    per_prompt = 2 if cfg.algorithm.adv_estimator == "spin" else cfg.actor_rollout_ref.rollout.n
-    return ppo_mini_batch_size * per_prompt // dp_size
+    return ppo_mini_batch_size * cfg.responses_trained_per_prompt // dp_size
 
 
 def distillation_spec(cfg: MegarlConfig) -> Optional[DistillationSpec]:

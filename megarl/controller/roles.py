@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megarl.batch import TrainBatch, concat_rows, select_rows
+from megarl.batch import TrainBatch, select_rows
 from megarl.config.schema import MegarlConfig
 from megarl.controller.dispatch import RankGroup
 from megarl.controller.reward_model_worker import RewardModelWorker
@@ -34,6 +34,12 @@ from megarl.engines.rollout.base import RolloutOutput, SamplingConfig
 def needs_reference(cfg: MegarlConfig) -> bool:
     return (cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
             or cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "dpo")
+
+
+def padded_to_multiple(rows: list[int], parts: int) -> list[int]:
+    """``rows`` with copies of its last row appended until it splits evenly into ``parts`` (data-parallel ranks);
+    the caller keeps the first ``len(rows)`` results."""
+    return rows + [rows[-1]] * (-len(rows) % parts)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -164,7 +170,7 @@ class RewardModel:
         the group's data-parallel ranks (a short validation batch) is padded with copies of its last row."""
         rows, dp = len(batch), self._group.dp_layout.dp_size
         if rows % dp:
-            batch = concat_rows([batch, select_rows(batch, [rows - 1] * (dp - rows % dp))])
+            batch = select_rows(batch, padded_to_multiple(list(range(rows)), dp))
         return self._group.call(RewardModelWorker.compute_rm_scores, batch)[:rows]
 
 
@@ -205,8 +211,7 @@ class Teachers:
             if not rows:
                 continue
             group = self._groups[name]
-            dp = group.dp_layout.dp_size
-            padded = rows + [rows[-1]] * (-len(rows) % dp)
+            padded = padded_to_multiple(rows, group.dp_layout.dp_size)
             pending[name] = (rows, group.call_async(TeacherWorker.compute_teacher_log_probs,
                                                     select_rows(batch, padded)))
         out = torch.zeros(tuple(batch.response_ids.shape), dtype=torch.float32)
