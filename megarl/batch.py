@@ -36,6 +36,10 @@ class RolloutBatch:
     # [B, R] 1 on the response tokens the policy generated; None: every real one. Multi-turn responses hold
     # tool results and chat-template text between the model's turns: part of the sequence, not of the policy.
     generated_mask: Optional[torch.Tensor] = None
+    # [B, P + R, L_moe, K] int16: an MoE rollout's expert ids per token and MoE layer, aligned with input_ids;
+    # -1 where not known (padding, each row's last token). Replayed by the trainer's routers (router_replay R3),
+    # or the old-log-prob pass's own choice (R2).
+    routed_experts: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])

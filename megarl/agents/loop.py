@@ -35,6 +35,8 @@ class TurnOutput:
     token_ids: list[int]
     log_probs: Optional[list[float]]
     finish_reason: str  # stop | length
+    routed_experts: Optional[object] = None  # MoE: the engine's [positions, L_moe, K] from routed_experts_start
+    routed_experts_start: int = 0
 
 
 # generate(prompts, max_tokens, keys) -> one output per prompt, in order; keys[i] = (conversation, turn) says
@@ -136,6 +138,8 @@ class AgentLoop:
         trajectory, s = conversation.trajectory, self.settings
         kept = min(len(output.token_ids), trajectory.budget)
         trajectory.add_generated(output.token_ids, output.log_probs)
+        if output.routed_experts is not None:
+            trajectory.add_routing(output.routed_experts, output.routed_experts_start)
         conversation.turn_tokens.append(kept)
         text = self.tokenizer.decode(output.token_ids[:kept], skip_special_tokens=True)
         parsed = self.parser.parse(text)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
+
 
 @dataclass
 class Trajectory:
@@ -26,6 +28,9 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     turns: int = 0  # assistant turns generated
     finish_reason: Optional[str] = None  # stop (no tool call) | length (budget) | max_turns
+    # MoE (routing replay): the rollout engine's expert ids [positions, L_moe, K] of prompt + response from
+    # position 0, -1 where unknown; each turn's request routes the whole sequence before its last token
+    routed_experts: Optional[np.ndarray] = None
 
     @property
     def budget(self) -> int:
@@ -47,6 +52,19 @@ class Trajectory:
         self.turns += 1
         if len(kept) < len(tokens) or self.budget == 0:
             self.finish_reason = "length"
+
+    def add_routing(self, routed: np.ndarray, start: int) -> None:
+        """A turn's routing (positions ``start ...`` of its request): it routed the trajectory so far again (the
+        latest weights' routing wins), less a prefix served from the engine's cache, which keeps the earlier
+        turns'. Positions past the kept tokens (a turn cut by the budget) are dropped."""
+        end = min(start + len(routed), len(self.prompt_ids) + len(self.response_ids) - 1)
+        routed = routed[: max(0, end - start)]
+        known = 0 if self.routed_experts is None else len(self.routed_experts)
+        merged = np.full((max(known, end), *routed.shape[1:]), -1, dtype=routed.dtype)
+        if known:
+            merged[:known] = self.routed_experts
+        merged[start:end] = routed
+        self.routed_experts = merged
 
     def add_context(self, tokens: list[int]) -> None:
         """Tool results and chat-template glue: part of the sequence, not of the loss."""

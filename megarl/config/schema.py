@@ -84,6 +84,17 @@ class OptimConfig:
 
 
 @dataclass
+class RouterReplayConfig:
+    """verl's ``<role>.megatron.router_replay``: an MoE model's routers take the experts the batch names
+    (megarl.engines.megatron.routing_replay). ``disabled``; ``R2``: the update replays the routing of the trainer's
+    own old-log-prob pass; ``R3``: the old-log-prob pass and the update replay the rollout's routing (needs
+    ``actor_rollout_ref.rollout.enable_rollout_routing_replay=true``). The reference replays what the actor's mode
+    replays."""
+
+    mode: str = "disabled"
+
+
+@dataclass
 class MegatronConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -112,6 +123,7 @@ class MegatronConfig:
     # instead of the HF weights; any layout loads it. The HF model path still gives config and tokenizer.
     use_dist_checkpointing: bool = False
     dist_checkpointing_path: Optional[str] = None
+    router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
 
 @dataclass
@@ -216,6 +228,9 @@ class RolloutConfig:
     weight_sync_transport: str = "broadcast"
     val_kwargs: SamplingOverrides = field(default_factory=SamplingOverrides)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # MoE: the rollout engine returns each token's routed experts (vLLM's enable_return_routed_experts), for
+    # router_replay.mode=R3 and the routing/rollout_mismatch_frac metric
+    enable_rollout_routing_replay: bool = False
 
 
 @dataclass

@@ -69,6 +69,10 @@ def _check_megatron(m: MegatronConfig, prefix: str, n_procs: int, layer_spec: st
                           f"which has no sequence-parallel norm: set {prefix}.sequence_parallel=false")
     if m.sequence_parallel and m.tensor_model_parallel_size == 1:
         raise ConfigError(f"{prefix}.sequence_parallel needs tensor_model_parallel_size > 1")
+    check_choice(m.router_replay.mode, ("disabled", "R2", "R3"), f"{prefix}.router_replay.mode")
+    if m.router_replay.mode != "disabled" and prefix not in ("actor_rollout_ref.actor.megatron", "critic.megatron"):
+        raise ConfigError(f"{prefix}.router_replay.mode: routing replay is for the policy, its reference and the "
+                          f"critic (actor_rollout_ref.actor.megatron / critic.megatron)")
     if m.use_dist_checkpointing and not m.dist_checkpointing_path:
         raise ConfigError(f"{prefix}.use_dist_checkpointing=true needs {prefix}.dist_checkpointing_path (a "
                           f"torch_dist checkpoint, e.g. converters/hf_to_mcore.py's output)")
@@ -331,6 +335,7 @@ def check_config(cfg: MegarlConfig) -> None:
                 f"{t.rollout_gpus} must be a multiple of trainer.n_gpus_per_node={t.n_gpus_per_node}"
             )
     _check_token_budgets(cfg)
+    _check_router_replay(cfg)
     lora = model_lora(arr.model)
     if lora is not None and lora.merge is False and t.placement != "colocate":
         raise ConfigError("actor_rollout_ref.model.lora.merge=false (the rollout engine serves the adapter) needs "
@@ -360,6 +365,21 @@ def check_config(cfg: MegarlConfig) -> None:
         )
     if t.save_freq == 0 or t.test_freq == 0:
         raise ConfigError("trainer.save_freq and trainer.test_freq must be positive or -1 (never)")
+
+
+def _check_router_replay(cfg: MegarlConfig) -> None:
+    """R3 replays the rollout's routing, which the rollout engine must be asked for."""
+    arr = cfg.actor_rollout_ref
+    modes = {"actor_rollout_ref.actor.megatron": arr.actor.megatron.router_replay.mode}
+    if cfg.critic.enable:
+        modes["critic.megatron"] = cfg.critic.megatron.router_replay.mode
+    for prefix, mode in modes.items():
+        if mode == "R3" and not arr.rollout.enable_rollout_routing_replay:
+            raise ConfigError(f"{prefix}.router_replay.mode=R3 replays the rollout's routing: set "
+                              f"actor_rollout_ref.rollout.enable_rollout_routing_replay=true")
+    if modes.get("critic.megatron") == "R2":
+        raise ConfigError("critic.megatron.router_replay.mode=R2 is not supported: the critic replays the rollout's "
+                          "routing (R3) or routes itself (disabled)")
 
 
 def check_distillation(cfg: MegarlConfig) -> None:

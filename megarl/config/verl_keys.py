@@ -33,6 +33,8 @@ FULL = {
     # whole sections of verl 0.9 (ppo_trainer / ppo_megatron_trainer) that megarl answers another way
     "actor_rollout_ref.ref.megatron": ("the reference shares the actor's layout (actor_rollout_ref.actor.megatron.*); "
                                        "actor_rollout_ref.ref.param_offload is its own offload knob"),
+    "actor_rollout_ref.ref.megatron.router_replay": ("the reference replays what the actor's mode replays "
+                                                     "(actor_rollout_ref.actor.megatron.router_replay.mode)"),
     "actor_rollout_ref.ref.strategy": "megarl's reference is always a Megatron engine (or, with LoRA, the base)",
     "actor_rollout_ref.ref.use_torch_compile": "megarl compiles its own small kernels on CUDA (MEGARL_COMPILE=0 off)",
     "actor_rollout_ref.ref.log_prob_micro_batch_size": "use actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
@@ -70,7 +72,6 @@ FULL = {
     "actor_rollout_ref.rollout.quantization": "FP8 rollout is not in megarl yet (planned: issue 36)",
     "actor_rollout_ref.rollout.quantization_config_file": "FP8 rollout is not in megarl yet (planned: issue 36)",
     "actor_rollout_ref.rollout.skip_tokenizer_init": "megarl's vLLM engine always skips detokenisation without stop strings",
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": "MoE routing replay is not in megarl yet (issue 36)",
     "actor_rollout_ref.rollout.over_sample_rate": "not in megarl: every requested sample is generated",
     "actor_rollout_ref.rollout.multi_stage_wake_up": ("megarl always wakes vLLM in stages: weights for the sync, then "
                                                       "the KV cache for generation"),
@@ -173,12 +174,14 @@ SEGMENT = {
     "checkpoint": ("megarl's checkpoints always hold the model, optimizer and RNG state (exact resume; with LoRA the "
                    "adapters); trainer.save_hf=true adds a Hugging Face copy"),
     "qat": "quantization-aware training is not in megarl",
-    "router_replay": "MoE routing replay is not in megarl yet (planned: issue 36)",
     "inference": ("megarl's distillation teachers are frozen Megatron engines scoring the student's tokens, not "
                   "inference servers: distillation.teacher_models.<name>.megatron.* (layout, param_offload), "
                   "micro_batch_size_per_gpu, use_sequence_packing"),
 }
 LEAF = {
+    "record_file": ("megarl's routing travels with the batch (router_replay.mode R2 records it in the old-log-prob "
+                    "pass), not through files"),
+    "replay_file": "megarl's routing travels with the batch (R3: from the rollout engine), not through files",
     "num_replicas": ("a teacher is one worker group over its pool's ranks (distillation.n_gpus_per_node / nnodes, or "
                      "a share of the actor's); its data parallelism follows from its megatron layout"),
     "enable_gradient_checkpointing": ("activation recompute is Megatron's: actor_rollout_ref.actor.megatron."

@@ -134,7 +134,8 @@ def actor_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
     return dict(ppo_epochs=a.ppo_epochs, mini_batch_size=mini_batch_rows(cfg, a.ppo_mini_batch_size, dp_size),
                 **policy_loss_arguments(a), entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
                 kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, loss_agg_mode=a.loss_agg_mode,
-                norm_length=cfg.data.max_response_length, distillation=distillation_spec(cfg))
+                norm_length=cfg.data.max_response_length, distillation=distillation_spec(cfg),
+                replay_routing=a.megatron.router_replay.mode != "disabled")
 
 
 def critic_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
@@ -142,4 +143,12 @@ def critic_update_arguments(cfg: MegarlConfig, dp_size: int) -> dict:
     data-parallel replicas."""
     c = cfg.critic
     return dict(ppo_epochs=c.ppo_epochs, mini_batch_size=mini_batch_rows(cfg, c.ppo_mini_batch_size, dp_size),
-                cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode)
+                cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+                replay_routing=c.megatron.router_replay.mode != "disabled")
+
+
+def routes_with_replay(cfg: MegarlConfig) -> bool:
+    """Whether the actor's engine (and its reference) needs its routers replayable: a replay mode, or the
+    rollout's routing to compare with (``routing/rollout_mismatch_frac``)."""
+    arr = cfg.actor_rollout_ref
+    return arr.actor.megatron.router_replay.mode != "disabled" or arr.rollout.enable_rollout_routing_replay

@@ -33,7 +33,8 @@ from megarl.config.schema import MegarlConfig
 from megarl.controller.device_residency import DeviceResidency, OffloadPolicy
 from megarl.controller.dispatch import Collect, Dispatch, register
 from megarl.controller.engine_specs import (DTYPES, actor_update_arguments, critic_update_arguments, ddp_config,
-                                            lora_serving, lora_spec, lr_schedule, megatron_optimizer_config)
+                                            lora_serving, lora_spec, lr_schedule, megatron_optimizer_config,
+                                            routes_with_replay)
 from megarl.controller.fault_injection import kill_point
 from megarl.controller.megatron_role import MegatronRole
 from megarl.controller.peer_transports import BroadcastTransport, ObjectStoreTransport, open_weight_group
@@ -47,10 +48,14 @@ from megarl.models.bridge import unwrap_model
 
 @dataclass
 class LogProbs:
-    """Per-token results of a DP shard; a dataclass so DP_COLLECT concatenates field by field."""
+    """Per-token results of a DP shard; a dataclass so DP_COLLECT concatenates field by field. MoE: the routing
+    the old-log-prob pass recorded (router_replay R2, ``[B, P + R, L_moe, K]``), and the fraction of routings
+    that differ from the rollout's (the same on every rank)."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
+    routed_experts: Optional[torch.Tensor] = None
+    routing_mismatch: Optional[float] = None
 
 
 class ActorRolloutRefWorker(MegatronRole):
@@ -69,8 +74,9 @@ class ActorRolloutRefWorker(MegatronRole):
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu, temperature=arr.rollout.temperature or 1.0,
             vocab_size=self.bridge.dims.vocab_size,
             micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.actor.ppo_max_token_len_per_gpu),
-            lora=self.lora,
+            lora=self.lora, routing_replay=routes_with_replay(cfg),
         )
+        self.routing_mode = arr.actor.megatron.router_replay.mode
         if arr.actor.load_weight:
             self._load_hf(self.actor)
         if lora is not None and lora.adapter_path:
@@ -89,6 +95,7 @@ class ActorRolloutRefWorker(MegatronRole):
                 micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
                 temperature=arr.rollout.temperature or 1.0, vocab_size=self.bridge.dims.vocab_size,
                 micro_batching=MicroBatching(arr.model.use_sequence_packing, arr.ref.log_prob_max_token_len_per_gpu),
+                routing_replay=self.routing_mode != "disabled",
             )
             if arr.actor.load_weight:
                 self._load_hf(self.reference)
@@ -189,36 +196,43 @@ class ActorRolloutRefWorker(MegatronRole):
         return {**metrics, **stats.as_metrics()}
 
     # ---------------------------------------------------------------- training
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS + ("routed_experts",))
     def compute_log_probs(self, batch: TrainBatch) -> LogProbs:
+        """The old log-probs; MoE: R3 replays the rollout's routing, R2 records the routers' own for the update."""
         self.residency.for_training(weight_sync_follows=True)
         rollout = self.cfg.actor_rollout_ref.rollout
         with self.memory_peaks.track("old_log_prob"):
-            log_probs, entropy = self.actor.compute_log_probs(
+            result = self.actor.log_prob_pass(
                 batch, micro_batch_size=min(rollout.log_prob_micro_batch_size_per_gpu, len(batch)),
-                max_tokens=rollout.log_prob_max_token_len_per_gpu)
+                max_tokens=rollout.log_prob_max_token_len_per_gpu, replay_routing=self.routing_mode == "R3",
+                record_routing=self.routing_mode == "R2")
         # The driver's batches live on the CPU (it may have no GPU at all); never hand it device tensors.
-        return LogProbs(log_probs.cpu(), entropy.cpu())
+        routed = None if result.routed_experts is None else result.routed_experts.to("cpu", torch.int16)
+        return LogProbs(result.log_probs.cpu(), result.entropy.cpu(), routed, result.routing_mismatch)
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS + ("routed_experts",))
     def compute_ref_log_probs(self, batch: TrainBatch) -> torch.Tensor:
+        """The reference's log-probs; MoE: it replays the routing the actor's mode replays."""
         self.residency.for_training(weight_sync_follows=True)
         mbs = self.cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        replay = self.routing_mode != "disabled"
         if self.reference_is_base:
             from megarl.models.lora import adapters_disabled
 
             with self.memory_peaks.track("ref"), adapters_disabled(self.actor.model):
-                log_probs, _ = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+                log_probs, _ = self.actor.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)),
+                                                            replay_routing=replay)
             return log_probs.cpu()
         if self.reference is None:
             raise RuntimeError("this actor worker was built without a reference model")
         with self.memory_peaks.track("ref"):
-            log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)))
+            log_probs, _ = self.reference.compute_log_probs(batch, micro_batch_size=min(mbs, len(batch)),
+                                                            replay_routing=replay)
         return log_probs.cpu()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0,
               reads=MODEL_INPUTS + ("old_log_probs", "ref_log_probs", "advantages", "rollout_is_weights", "loss_mask",
-                                    "teacher_log_probs"))
+                                    "teacher_log_probs", "routed_experts"))
     def update_actor(self, batch: TrainBatch) -> dict[str, float]:
         self.residency.for_training(weight_sync_follows=True)
         with self.memory_peaks.track("update_actor"):
@@ -298,8 +312,9 @@ class CriticWorker(MegatronRole):
             lr_schedule=lr_schedule(c.optim, total_steps), ddp_config=ddp_config(c.megatron),
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
             micro_batching=MicroBatching(bool(c.use_sequence_packing), c.ppo_max_token_len_per_gpu),
-            lora=lora_spec(lora, seed=c.megatron.seed),
+            lora=lora_spec(lora, seed=c.megatron.seed), routing_replay=c.megatron.router_replay.mode != "disabled",
         )
+        self.replay_routing = c.megatron.router_replay.mode != "disabled"
         self._load_critic_trunk()
         self.update_arguments = critic_update_arguments(cfg, self.rank_info.dp_size)
 
@@ -311,12 +326,12 @@ class CriticWorker(MegatronRole):
                         exclude_prefixes=("output_layer.",))
         self.critic.optimizer.reload_model_params()
 
-    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS)
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP_COLLECT, reads=MODEL_INPUTS + ("routed_experts",))
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
-        return self.critic.compute_values(batch).cpu()
+        return self.critic.compute_values(batch, replay_routing=self.replay_routing).cpu()
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0,
-              reads=MODEL_INPUTS + ("values", "returns", "generated_mask"))
+              reads=MODEL_INPUTS + ("values", "returns", "generated_mask", "routed_experts"))
     def update_critic(self, batch: TrainBatch) -> dict[str, float]:
         return self.critic.update_critic(batch, **self.update_arguments)
 

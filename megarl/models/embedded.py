@@ -42,6 +42,10 @@ _EMBEDDED_SPECS = {
     # A reward model for the demo and tests: a Qwen2ForSequenceClassification (one label) of the same shape over
     # the same character tokenizer, random init like the policy (what it prefers is arbitrary but fixed).
     "tiny-qwen2-rm": dict(_TINY_QWEN2_SHAPE, head="score"),
+    # A Qwen3-MoE of the same width over the same tokenizer: 8 experts, 2 routed per token, every layer MoE
+    # (routing replay and MoE weight sync on CPU).
+    "tiny-qwen3-moe": dict(_TINY_QWEN2_SHAPE, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
 }
 
 
@@ -112,14 +116,18 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     # Imported here: torch/transformers are heavy and only needed when a model is actually built.
     import torch
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     spec = dict(spec)
     classifier = spec.pop("head", "lm") == "score"
+    moe = spec.pop("family", "qwen2") == "qwen3_moe"
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM)
+    architecture = "Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"
     tokenizer = build_char_tokenizer()
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    config = Qwen2Config(
+    config = (Qwen2Config if classifier else config_class)(
         vocab_size=round_up_vocab(local_tokenizer_size()),
         rms_norm_eps=1e-6,
         hidden_act="silu",
@@ -130,18 +138,20 @@ def _write_model_dir(out: Path, spec: dict) -> None:
         pad_token_id=pad_id,
         dtype="float32",
         # vLLM picks the model class from this field; a bare config.save_pretrained does not fill it in.
-        architectures=["Qwen2ForSequenceClassification" if classifier else "Qwen2ForCausalLM"],
+        architectures=["Qwen2ForSequenceClassification" if classifier else architecture],
         **({"num_labels": 1} if classifier else {}),
         **spec,
     )
     # fork_rng keeps the caller's global RNG stream untouched by our fixed seed.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(EMBEDDED_SEED + int(classifier))
-        model = (Qwen2ForSequenceClassification if classifier else Qwen2ForCausalLM)(config).to(torch.float32)
+        model = (Qwen2ForSequenceClassification if classifier else model_class)(config).to(torch.float32)
     config.save_pretrained(out)
-    # save_file directly (no tied weights to dedupe): quiet, one file, the metadata HF loaders check for.
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if moe:  # transformers fuses the experts in memory; its save writes them per expert, as checkpoints hold them
+        model.save_pretrained(out)
+    else:  # save_file directly (no tied weights to dedupe): quiet, one file, the metadata HF loaders check for.
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     # Only token ids, no sampling defaults: vLLM applies generation_config sampling fields over the caller's.
     # <|endoftext|> also ends generation (as in Qwen): otherwise a policy learns to fill its answer with it,
     # since decoding with skip_special_tokens hides it from the reward.

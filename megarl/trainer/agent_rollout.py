@@ -44,13 +44,15 @@ class AgentRollout:
             outputs = self.rollout.generate(turn_prompts, dataclasses.replace(
                 sampling, n=1, max_tokens=max_tokens, prompt_seeds=seeds))
             by_prompt = sorted(outputs, key=lambda out: out.prompt_index)
-            return [TurnOutput(out.token_ids, out.log_probs, out.finish_reason) for out in by_prompt]
+            return [TurnOutput(out.token_ids, out.log_probs, out.finish_reason, out.routed_experts,
+                               out.routed_experts_start) for out in by_prompt]
 
         conversations = self.loop.run([prompts[index] for index in rows], turns)
         return [AgentOutput(prompt_index=index, token_ids=c.trajectory.response_ids,
                             log_probs=c.trajectory.log_probs if sampling.logprobs else None,
                             finish_reason="length" if c.trajectory.finish_reason == "length" else "stop",
-                            loss_mask=c.trajectory.loss_mask, agent=c.summary())
+                            loss_mask=c.trajectory.loss_mask, agent=c.summary(),
+                            routed_experts=c.trajectory.routed_experts)
                 for index, c in zip(rows, conversations)]
 
     def generate_async(self, prompts: list[list[int]], sampling: SamplingConfig) -> concurrent.futures.Future:

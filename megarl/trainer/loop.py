@@ -147,6 +147,10 @@ class RLTrainer:
             with timed("old_log_prob", metrics):
                 actor_out = self.actor.compute_log_probs(batch)
                 batch.old_log_probs, entropy = actor_out.log_probs, actor_out.entropy
+            if actor_out.routed_experts is not None:  # router_replay R2: the update replays this pass's routing
+                batch.routed_experts = actor_out.routed_experts
+            if actor_out.routing_mismatch is not None:
+                metrics["routing/rollout_mismatch_frac"] = actor_out.routing_mismatch
             if cfg.algorithm.rollout_correction.enabled:
                 metrics.update(self.correct_for_rollout_mismatch(batch))
             if needs_reference(cfg):

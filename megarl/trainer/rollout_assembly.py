@@ -43,6 +43,7 @@ def assemble_rollout_batch(prompts: PromptBatch, responses: Sequence, *, group_i
     log_probs = torch.zeros((rows, max_response)) if with_log_probs else None
     multi_turn = rows > 0 and getattr(responses[0], "loss_mask", None) is not None
     generated = torch.zeros((rows, max_response), dtype=torch.long) if multi_turn else None
+    routed = _routed_experts_layout(responses, max_prompt + max_response)
     prompt_index = [out.prompt_index for out in responses]
     for row, (which, out) in enumerate(zip(prompt_index, responses)):
         prompt, response = prompts.prompt_ids[which], out.token_ids
@@ -60,6 +61,13 @@ def assemble_rollout_batch(prompts: PromptBatch, responses: Sequence, *, group_i
                 log_probs[row, : len(response)] = torch.as_tensor(out.log_probs, dtype=torch.float32)
             if generated is not None:
                 generated[row, : len(response)] = torch.as_tensor(out.loss_mask, dtype=torch.long)
+        if routed is not None:
+            # the engine's positions count from the prompt's first token, which sits at max_prompt - len(prompt)
+            first = max_prompt - len(prompt) + out.routed_experts_start
+            if first + len(out.routed_experts) > max_prompt + len(response) - 1:
+                raise ValueError(f"response {row}: the engine routed {len(out.routed_experts)} tokens from position "
+                                 f"{out.routed_experts_start} of a {len(prompt)} + {len(response)} token sequence")
+            routed[row, first:first + len(out.routed_experts)] = torch.from_numpy(out.routed_experts)
 
     def per_row(values: Sequence) -> list:
         return [values[i] for i in prompt_index] if len(values) else []
@@ -73,8 +81,19 @@ def assemble_rollout_batch(prompts: PromptBatch, responses: Sequence, *, group_i
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
         group_ids=[group_ids[i] for i in prompt_index], data_sources=per_row(prompts.data_sources),
         ground_truths=per_row(prompts.ground_truths), extra_infos=extra_infos, rollout_log_probs=log_probs,
-        raw_prompts=per_row(prompts.raw_prompts), generated_mask=generated,
+        raw_prompts=per_row(prompts.raw_prompts), generated_mask=generated, routed_experts=routed,
     )
+
+
+def _routed_experts_layout(responses: Sequence, width: int):
+    """``[rows, width, L_moe, K]`` int16 of -1 when the engine returned routing (every response or none)."""
+    given = [getattr(out, "routed_experts", None) is not None for out in responses]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(f"{given.count(False)} of {len(responses)} responses came without routed experts")
+    _, layers, top_k = responses[0].routed_experts.shape
+    return torch.full((len(responses), width, layers, top_k), -1, dtype=torch.int16)
 
 
 def prompts_of_rows(batch: RolloutBatch, rows: Sequence[int]) -> PromptBatch:

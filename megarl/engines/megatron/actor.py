@@ -16,7 +16,10 @@ correction (TIS).
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 from megarl.algorithms import aggregate_loss, get_policy_loss, kl_penalty
 from megarl.algorithms.distillation import DistillationSpec, distillation_loss
@@ -27,33 +30,66 @@ from megarl.engines.megatron.row_outputs import response_log_probs
 from megarl.engines.megatron.packing import restore_row_order
 
 
+@dataclass
+class LogProbPass:
+    """What a forward-only pass over a DP shard gives: ``log_probs`` / ``entropy`` ``[B, R]``; with routing
+    replay (MoE), the routing the routers used when asked to record it (``[B, P + R, L_moe, K]``) and the
+    fraction of (token, layer) routings that differ from the batch's ``routed_experts`` (when it has them)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    routed_experts: Optional[torch.Tensor] = None
+    routing_mismatch: Optional[float] = None
+
+
 class _LogProbMixin:
     def compute_log_probs(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None,
-                          max_tokens: Optional[int] = None):
+                          max_tokens: Optional[int] = None, replay_routing: bool = False):
         """``(log_probs [B, R], entropy [B, R])`` fp32 for this DP shard, on every rank of the replica.
         Padding positions hold whatever the model gives (zeros when packed); mask them with
         ``response_mask``. ``micro_batch_size`` / ``max_tokens`` override the engine's micro-batching."""
-        micro_batches = self.make_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+        result = self.log_prob_pass(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens,
+                                    replay_routing=replay_routing)
+        return result.log_probs, result.entropy
+
+    def log_prob_pass(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None,
+                      max_tokens: Optional[int] = None, replay_routing: bool = False,
+                      record_routing: bool = False) -> LogProbPass:
+        """:meth:`compute_log_probs` with the MoE routing options (an engine built with ``routing_replay``):
+        ``replay_routing`` routes as ``batch.routed_experts`` says (R3, and the reference under R2/R3);
+        ``record_routing`` returns the routers' choice (R2's old-log-prob pass)."""
+        fields = self.routing_fields(batch, replay=replay_routing, record=record_routing)
+        micro_batches = self.make_micro_batches(batch, fields, micro_batch_size=micro_batch_size,
+                                                max_tokens=max_tokens)
 
         def loss(mb, output):
             log_probs, entropy = response_log_probs(output, mb, self.temperature, self.vocab_size)
             return output.new_zeros(()), {"log_probs": log_probs.detach(), "entropy": entropy.detach()}
 
-        reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
+        routed = mismatch = None
+        with self.routing_pass(replay=replay_routing, record=record_routing) as routing:
+            reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
+            if record_routing:
+                routed = routing.take_recorded(micro_batches, len(batch), batch.input_ids.shape[1],
+                                               self.config.moe_router_topk)
+            if "routed_experts" in fields:
+                mismatch = routing.take_mismatch()
         shape = tuple(batch.response_ids.shape)
         log_probs = restore_row_order([r["log_probs"] for r in reported], micro_batches) if reported else None
         entropy = restore_row_order([r["entropy"] for r in reported], micro_batches) if reported else None
-        return self.broadcast_from_last_stage(log_probs, shape), self.broadcast_from_last_stage(entropy, shape)
+        return LogProbPass(self.broadcast_from_last_stage(log_probs, shape),
+                           self.broadcast_from_last_stage(entropy, shape), routed, mismatch)
 
 
 class ReferenceEngine(_LogProbMixin, MegatronEngine):
     """Frozen policy copy for KL: ``ReferenceEngine(model_provider=..., config=..., micro_batch_size=...)``."""
 
     def __init__(self, *, model_provider, config, micro_batch_size: int = 1, temperature: float = 1.0,
-                 vocab_size: Optional[int] = None, micro_batching: MicroBatching = MicroBatching()):
+                 vocab_size: Optional[int] = None, micro_batching: MicroBatching = MicroBatching(),
+                 routing_replay: bool = False):
         super().__init__(model_provider=model_provider, config=config, optimizer_config=None,
                          micro_batch_size=micro_batch_size, temperature=temperature, vocab_size=vocab_size,
-                         micro_batching=micro_batching)
+                         micro_batching=micro_batching, routing_replay=routing_replay)
 
 
 class ActorEngine(_LogProbMixin, MegatronEngine):
@@ -77,12 +113,14 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         kl_loss_type: str = "low_var_kl",
         loss_agg_mode: str = "token-mean",
         norm_length: Optional[int] = None,
+        replay_routing: bool = False,
     ) -> dict[str, float]:
         """PPO loop over this DP shard. ``mini_batch_size`` is in local rows (default: the whole shard);
         each mini-batch is one optimizer step whose loss is normalised over all DP ranks' rows of that
         mini-batch. ``policy_loss_options``: the named loss's own settings (e.g. KL-Cov's ``kl_cov_ratio``).
         ``distillation``: on-policy distillation toward ``batch.teacher_log_probs``
-        (:mod:`megarl.algorithms.distillation`), beside the task's policy loss or alone.
+        (:mod:`megarl.algorithms.distillation`), beside the task's policy loss or alone. ``replay_routing``
+        (MoE, R2/R3): the routers take ``batch.routed_experts`` in every forward and recomputation.
         Returns metrics averaged over the steps: pg_loss, pg_clipfrac, pg_clipfrac_lower (dual clip
         active), ppo_kl, entropy, (kl_loss), loss, grad_norm, lr, and loss_tokens (the tokens the loss counted in one
         epoch over every DP rank's rows: what the loss mask let through)."""
@@ -106,6 +144,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         # the tokens it rejected out of the loss and out of its token counts
         fields += tuple(name for name in ("rollout_is_weights", "loss_mask") if getattr(batch, name) is not None)
         fields += ("teacher_log_probs",) if distillation is not None else ()
+        fields += self.routing_fields(batch, replay=replay_routing) if replay_routing else ()
 
         names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "pg_clipfrac_lower_wsum", "ppo_kl_wsum"]
         if use_kl_loss:
@@ -159,10 +198,11 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
                 return total, reported
             return loss
 
-        steps = self.train_epochs(
-            batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
-            counted_mask=lambda mini: mini.response_mask if mini.loss_mask is None else mini.loss_mask,
-            fields=lambda mini: fields, make_loss=make_loss, names=names)
+        with self.routing_pass(replay=replay_routing):
+            steps = self.train_epochs(
+                batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
+                counted_mask=lambda mini: mini.response_mask if mini.loss_mask is None else mini.loss_mask,
+                fields=lambda mini: fields, make_loss=make_loss, names=names)
         # the tokens the loss counted over the whole batch (all DP ranks) in one epoch: what the loss mask let in
         per_epoch = len(steps) // ppo_epochs
         loss_tokens = float(sum(step["num_tokens"] for step in steps[:per_epoch]))

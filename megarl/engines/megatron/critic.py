@@ -73,23 +73,29 @@ class CriticEngine(MegatronEngine):
         return scatter_to_rows(response_positions_of(whole_sequence(output, mb), mb)[..., 0].float(), mb)
 
     def compute_values(self, batch: TrainBatch, *, micro_batch_size: Optional[int] = None,
-                       max_tokens: Optional[int] = None) -> torch.Tensor:
-        """Values ``[B, R]`` (fp32) for this DP shard, on every rank of the replica."""
-        micro_batches = self.make_micro_batches(batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens)
+                       max_tokens: Optional[int] = None, replay_routing: bool = False) -> torch.Tensor:
+        """Values ``[B, R]`` (fp32) for this DP shard, on every rank of the replica. ``replay_routing`` (MoE): the
+        routers take ``batch.routed_experts``."""
+        fields = self.routing_fields(batch, replay=replay_routing) if replay_routing else ()
+        micro_batches = self.make_micro_batches(batch, fields, micro_batch_size=micro_batch_size,
+                                                max_tokens=max_tokens)
 
         def loss(mb, output):
             return output.new_zeros(()), {"values": self._response_values(output, mb).detach()}
 
-        reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
+        with self.routing_pass(replay=replay_routing):
+            reported = self.run_micro_batches(micro_batches, loss=loss, forward_only=True)
         values = restore_row_order([r["values"] for r in reported], micro_batches) if reported else None
         return self.broadcast_from_last_stage(values, tuple(batch.response_ids.shape))
 
     def update_critic(
         self, batch: TrainBatch, *, ppo_epochs: int = 1, mini_batch_size: Optional[int] = None,
         cliprange_value: float = 0.5, loss_agg_mode: str = "token-mean", norm_length: Optional[int] = None,
+        replay_routing: bool = False,
     ) -> dict[str, float]:
-        """Clipped value loss against ``batch.returns`` with ``batch.values`` as the old values. Returns
-        metrics averaged over the steps: vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr."""
+        """Clipped value loss against ``batch.returns`` with ``batch.values`` as the old values (``replay_routing``:
+        as :meth:`compute_values`). Returns metrics averaged over the steps: vf_loss, vf_clipfrac, vpred_mean,
+        grad_norm, lr."""
         for name in ("values", "returns"):
             if getattr(batch, name) is None:
                 raise ValueError(f"update_critic: batch.{name} is required")
@@ -112,12 +118,15 @@ class CriticEngine(MegatronEngine):
                 }
             return loss
 
-        steps = self.train_epochs(
-            batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
-            # multi-turn: values are fitted on the tokens the policy generated, not on tool results
-            counted_mask=lambda mini: mini.policy_mask,
-            fields=lambda mini: ("values", "returns") + (("generated_mask",) if mini.generated_mask is not None else ()),
-            make_loss=make_loss, names=names)
+        routing_fields = self.routing_fields(batch, replay=replay_routing) if replay_routing else ()
+        with self.routing_pass(replay=replay_routing):
+            steps = self.train_epochs(
+                batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
+                # multi-turn: values are fitted on the tokens the policy generated, not on tool results
+                counted_mask=lambda mini: mini.policy_mask,
+                fields=lambda mini: (("values", "returns") + routing_fields
+                                     + (("generated_mask",) if mini.generated_mask is not None else ())),
+                make_loss=make_loss, names=names)
         for step in steps:
             del step["num_tokens"]
         return average_metrics(steps)

@@ -52,6 +52,7 @@ from megarl.engines.megatron.lr_schedule import LRScheduleConfig, build_lr_sched
 from megarl.engines.megatron.micro_batches import MicroBatching, check_mini_batches, make_micro_batches
 from megarl.engines.megatron.model_chunks import ModelProvider, build_model_chunks
 from megarl.engines.megatron.parallel import current_rank_info, device_for_this_process
+from megarl.engines.megatron.routing_replay import RoutingReplay
 from megarl.models.cpu_compat import cuda_tensors_on_cpu
 # loss(micro_batch, output_of_last_stage) -> (scalar share of the step loss, {name: detached tensor})
 MicroBatchLoss = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -63,6 +64,8 @@ class MegatronEngine:
     Constructed on every rank of the world after :func:`initialize_megatron_parallel`. ``optimizer_config``
     None means a frozen engine (no DDP, no optimizer, parameters do not require grad). ``lora``: LoRA adapters
     (:mod:`megarl.models.lora`) on a frozen base; DDP, the optimizer and checkpoints then hold the adapters only.
+    ``routing_replay``: an MoE model's routers can replay, record and compare routing
+    (:mod:`megarl.engines.megatron.routing_replay`; ``self.routing``).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class MegatronEngine:
         vocab_size: Optional[int] = None,
         micro_batching: MicroBatching = MicroBatching(),
         lora=None,
+        routing_replay: bool = False,
     ):
         from megatron.core import parallel_state as mpu
 
@@ -104,6 +108,11 @@ class MegatronEngine:
                 wrap_with_ddp=self.trainable, chunk_hook=chunk_hook,
                 one_dtype=config.params_dtype if cpu_offload else None, lora=lora,
             )
+        self.routing = None
+        if routing_replay:
+            if not getattr(config, "num_moe_experts", None):
+                raise ValueError("router_replay needs an MoE model (mode R2 / R3); this one has no routed experts")
+            self.routing = RoutingReplay(self.model, config)
         self.optimizer = None
         self.lr_scheduler = None
         if self.trainable:
@@ -135,6 +144,30 @@ class MegatronEngine:
             self.config.no_sync_func = self.config.no_sync_func[0]
 
     # ------------------------------------------------------------------ fwd/bwd
+
+    @contextlib.contextmanager
+    def routing_pass(self, *, replay: bool = False, record: bool = False):
+        """The MoE routers' behaviour for the passes inside: ``replay`` the micro-batches' ``routed_experts``,
+        ``record`` the routers' own choice (:class:`RoutingReplay`); yields ``self.routing``."""
+        if self.routing is None:
+            if replay or record:
+                raise RuntimeError("routing replay was asked of an engine built without it (routing_replay=False)")
+            yield None
+            return
+        self.routing.start(replay=replay, record=record)
+        try:
+            yield self.routing
+        finally:
+            self.routing.finish()
+
+    def routing_fields(self, batch: TrainBatch, *, replay: bool = False, record: bool = False) -> tuple[str, ...]:
+        """The whole-sequence fields a pass needs: the batch's routing when replayed (or, by an engine that can,
+        compared), the token codes when recorded."""
+        if replay and batch.routed_experts is None:
+            raise ValueError("routing replay needs batch.routed_experts (the rollout engine's routing, "
+                             "actor_rollout_ref.rollout.enable_rollout_routing_replay, or R2's recorded one)")
+        compares = self.routing is not None and batch.routed_experts is not None
+        return (("routed_experts",) if compares else ()) + (("token_codes",) if record else ())
 
     @property
     def fixed_micro_batch_size(self) -> Optional[int]:
@@ -176,8 +209,12 @@ class MegatronEngine:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if self.routing is not None:
+                self.routing.before_forward(model, mb)
             output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
                            attention_mask=mb["attention_mask"], packed_seq_params=mb.get("packed_seq_params"))
+            if self.routing is not None:
+                self.routing.after_forward(model)
             return output, partial(loss_func, mb)
 
         # megatron's schedule wants the full sequence length and divides it by CP itself
@@ -190,6 +227,8 @@ class MegatronEngine:
                 and len({mb["input_ids"].shape for mb in micro_batches}) > 1):
             raise ValueError("pipeline stages exchange one activation shape per step: every micro-batch "
                              "must have the same input shape")
+        if self.routing is not None:
+            self.routing.new_schedule()
         iterators = [iter(micro_batches) for _ in self.model]
         for chunk in self.model:
             chunk.train(not forward_only)

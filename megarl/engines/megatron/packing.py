@@ -11,6 +11,10 @@ per-token fields as ``[b, R]`` tensors, so losses and aggregation never see the 
   per row. A padding segment at the end rounds ``T`` up (sequence parallelism needs ``T`` divisible by TP,
   pipeline stages need one ``T`` for all micro-batches of a step).
 
+Whole-sequence fields (:data:`SEQUENCE_FIELDS`: MoE ``routed_experts`` and the ``token_codes`` that name each
+token's row and position) follow the tokens instead: ``[b, S, ...]`` padded, ``[1, T, ...]`` packed, ``-1``
+wherever no real token is.
+
 Context parallelism (:func:`shard_for_context_parallel`): either layout, with every sequence (packed: every
 segment) padded to a multiple of ``2 * cp``, is cut into this CP rank's share of tokens, positions and
 next-token labels; the per-token results are gathered back into the full layout before the loss.
@@ -31,6 +35,12 @@ import torch
 
 from megarl.batch import TrainBatch
 from megarl.models.context_parallel import local_positions
+
+# Fields laid out like the tokens (not like the responses): the MoE routing a batch replays
+# (:mod:`megarl.engines.megatron.routing_replay`), and ``token_codes`` (row * S + position of each token in
+# the batch shard) that lets what the routers record be put back into rows.
+SEQUENCE_FIELDS = ("routed_experts", "token_codes")
+NO_TOKEN = -1
 
 
 def plan_fixed_rows(num_rows: int, micro_batch_size: int) -> list[list[int]]:
@@ -91,9 +101,26 @@ def build_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return causal[None, None] | pad_keys
 
 
+def _sequence_values(batch: TrainBatch, rows: torch.Tensor, name: str) -> torch.Tensor:
+    """``[b, S, ...]`` of a :data:`SEQUENCE_FIELDS` entry for ``rows``, ``-1`` at padding."""
+    real = batch.attention_mask[rows].bool()
+    if name == "token_codes":
+        seq = real.shape[1]
+        codes = rows[:, None] * seq + torch.arange(seq)[None, :]
+    else:
+        codes = getattr(batch, name)
+        if codes is None:
+            raise ValueError(f"the batch has no {name}")
+        codes = codes[rows]
+    mask = real.view(*real.shape, *([1] * (codes.dim() - 2)))
+    return codes.masked_fill(~mask, NO_TOKEN)
+
+
 def _per_token_fields(batch: TrainBatch, rows: torch.Tensor, fields: Iterable[str], device) -> dict:
     out = {}
     for name in fields:
+        if name in SEQUENCE_FIELDS:
+            continue  # laid out by pad_rows / pack_rows
         value = getattr(batch, name)
         out[name] = None if value is None else value[rows].to(device).float()
     return out
@@ -114,6 +141,9 @@ def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device) 
         "last_index": (batch.prompt_ids.shape[1] - 1 + batch.response_mask[index].sum(dim=1)).to(device),
     }
     mb.update(_per_token_fields(batch, index, fields, device))
+    for name in SEQUENCE_FIELDS:
+        if name in fields:
+            mb[name] = _sequence_values(batch, index, name).to(device)
     return mb
 
 
@@ -194,6 +224,13 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
         "prompt_len": batch.prompt_ids.shape[1],
     }
     mb.update(_per_token_fields(batch, index, fields, device))
+    for name in SEQUENCE_FIELDS:
+        if name in fields:
+            values = _pad_segments(_sequence_values(batch, index, name)[real], real_lens, seq_lens,
+                                   lambda n, seg: seg.new_full((n, *seg.shape[1:]), NO_TOKEN))
+            if padding:
+                values = torch.cat([values, values.new_full((padding, *values.shape[1:]), NO_TOKEN)])
+            mb[name] = values[None].to(device)
     return mb
 
 
@@ -235,6 +272,14 @@ def shard_for_context_parallel(mb: dict, cp_size: int, cp_rank: int) -> dict:
     labels = torch.cat([ids[:, 1:], ids.new_zeros(ids.shape[0], 1)], dim=1)
     out.update(input_ids=ids[:, local], position_ids=positions[:, local], labels=labels[:, local],
                cp_bounds=bounds)
+    for name in SEQUENCE_FIELDS:
+        if name in mb:
+            values = mb[name]
+            if values.shape[1] < ids.shape[1]:
+                extra = values.new_full((values.shape[0], ids.shape[1] - values.shape[1], *values.shape[2:]),
+                                        NO_TOKEN)
+                values = torch.cat([values, extra], dim=1)
+            out[name] = values[:, local]
     if mb.get("packed_seq_params") is None:
         out["attention_mask"] = mask.index_select(2, local)
     return out

@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Literal
 
+import numpy as np
 import torch
 
 FinishReason = Literal["stop", "length"]
@@ -87,12 +88,19 @@ class SamplingConfig:
 
 @dataclasses.dataclass
 class RolloutOutput:
-    """One sampled response. `token_ids` excludes the prompt and includes a generated eos/stop token."""
+    """One sampled response. `token_ids` excludes the prompt and includes a generated eos/stop token.
+
+    `routed_experts` (MoE engines asked for it): `[n, L_moe, K]` expert ids the engine's routers chose for
+    the tokens at positions `routed_experts_start ... + n` of prompt + response, per MoE layer in order. The
+    last token is never routed (nothing computes it), and an engine serving a prompt prefix from its cache
+    did not route that prefix (`routed_experts_start` > 0)."""
 
     prompt_index: int
     token_ids: list[int]
     log_probs: list[float] | None
     finish_reason: FinishReason
+    routed_experts: np.ndarray | None = None
+    routed_experts_start: int = 0
 
     def __post_init__(self) -> None:
         if self.finish_reason not in ("stop", "length"):
@@ -101,6 +109,9 @@ class RolloutOutput:
             raise ValueError(
                 f"RolloutOutput.log_probs has {len(self.log_probs)} entries for {len(self.token_ids)} tokens"
             )
+        if self.routed_experts is not None and (self.routed_experts.ndim != 3 or self.routed_experts_start < 0):
+            raise ValueError(f"RolloutOutput.routed_experts must be [tokens, moe_layers, top_k] from a start >= 0, "
+                             f"got shape {self.routed_experts.shape} from {self.routed_experts_start}")
 
 
 class RolloutEngine(abc.ABC):

@@ -67,7 +67,10 @@ class HFRolloutEngine(RolloutEngine):
         tokenizer_path: str | None = None,
         attn_implementation: str | None = None,
         load_format: str = "auto",
+        return_routed_experts: bool = False,
     ) -> None:
+        """`return_routed_experts`: an MoE model's outputs carry the experts its routers chose per token
+        (`RolloutOutput.routed_experts`, for routing replay in the trainer)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if not os.path.isdir(model_path):
@@ -98,6 +101,29 @@ class HFRolloutEngine(RolloutEngine):
         self._updated_names: set[str] = set()
         self._asleep = False
         self._adapter_base: dict[str, torch.Tensor] = {}  # weight name -> the base under the served adapter
+        self._routing: list[torch.Tensor] | None = None  # per MoE layer: the last forward's chosen experts
+        if return_routed_experts:
+            self._watch_routers()
+
+    def _watch_routers(self) -> None:
+        """Keep what each MoE layer's router chose in the last forward: transformers' MoE gates (Qwen3-MoE,
+        DeepSeek-V3) return (logits, weights, expert ids)."""
+        gates = [layer.mlp.gate for layer in self.model.model.layers if hasattr(layer.mlp, "experts")]
+        if not gates:
+            raise ValueError(f"HFRolloutEngine: return_routed_experts needs an MoE model; "
+                             f"{type(self.model).__name__} has no routed experts")
+        self._routing = [None] * len(gates)
+
+        def keep(index, module, args, output):
+            self._routing[index] = output[2]
+
+        for index, gate in enumerate(gates):
+            gate.register_forward_hook(lambda module, args, output, index=index: keep(index, module, args, output))
+
+    def _routed_this_step(self, rows: int, real: torch.Tensor) -> list[torch.Tensor]:
+        """Per row, the expert ids ``[tokens, L_moe, K]`` of the real tokens of the last forward."""
+        chosen = torch.stack([ids.reshape(rows, real.shape[1], -1) for ids in self._routing], dim=2)
+        return [chosen[row][real[row]].to("cpu", torch.int16) for row in range(rows)]
 
     # ------------------------------------------------------------------ generation
 
@@ -129,11 +155,16 @@ class HFRolloutEngine(RolloutEngine):
 
         past = None
         step_ids = input_ids
+        routed: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
+        fed_real = attention_mask.bool()  # which of the tokens fed this step are real (not padding)
         for _ in range(sampling.max_tokens):
             position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
             out = self.model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
+            if self._routing is not None:
+                for row, ids in enumerate(self._routed_this_step(num_rows, fed_real)):
+                    routed[row].append(ids)
             token_log_probs = process_logits(out.logits[:, -1, :], sampling)
             if sampling.is_greedy:
                 next_ids = token_log_probs.argmax(dim=-1)
@@ -158,12 +189,15 @@ class HFRolloutEngine(RolloutEngine):
             feed = torch.tensor([self.pad_token_id if finish[r] is not None else responses[r][-1]
                                  for r in range(num_rows)], device=self.device)
             step_ids = feed.unsqueeze(-1)
+            fed_real = torch.tensor([[finish[r] is None] for r in range(num_rows)], device=self.device)
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=-1)
 
+        # every token but a row's last was fed (and routed): prompt + response[:-1]
         return [
             RolloutOutput(prompt_index=rows[r][0], token_ids=responses[r],
                           log_probs=log_probs[r] if sampling.logprobs else None,
-                          finish_reason=finish[r] or "length")
+                          finish_reason=finish[r] or "length",
+                          routed_experts=torch.cat(routed[r]).numpy() if self._routing is not None else None)
             for r in range(num_rows)
         ]
 

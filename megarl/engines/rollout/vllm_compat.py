@@ -75,6 +75,27 @@ def in_process_engine_env(local_device_index: Optional[int]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def routed_experts_env(enabled: bool) -> Iterator[None]:
+    """While an ``LLM`` that returns routed experts is built: vLLM serves them through its aux-output connector,
+    which needs its V2 model runner (asked for by ``VLLM_USE_V2_MODEL_RUNNER``; read at construction only)."""
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if enabled:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    try:
+        yield
+    except Exception as err:
+        if enabled and "Triton" in str(err):
+            raise RuntimeError("vLLM returns routed experts only with its V2 model runner, which needs Triton (a "
+                               "GPU): on CPU use actor_rollout_ref.rollout.name=hf for routing replay") from err
+        raise
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
 def engine_core_in_process(llm) -> bool:
     """Whether ``llm``'s engine core (and so its model) lives in this process."""
     from vllm.v1.engine.core_client import InprocClient

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from megarl.engines.rollout import vllm_compat
@@ -131,6 +132,7 @@ class VLLMRolloutEngine(RolloutEngine):
         local_device_index: Optional[int] = None,
         weight_reload: str = "auto",
         lora_rank: Optional[int] = None,
+        return_routed_experts: bool = False,
         **llm_kwargs,
     ) -> None:
         """Start vLLM on the HF dir `model_path`.
@@ -141,8 +143,9 @@ class VLLMRolloutEngine(RolloutEngine):
         `tensor_parallel_size` consecutive ranks); `local_device_index` is this process's CUDA device
         then. `weight_reload` is how a weight update is applied (auto: a direct load where that is exact, else
         vLLM's layerwise reload; layerwise: always; see :mod:`megarl.engines.rollout.vllm_worker_extension`).
-        `lora_rank`: serve one LoRA adapter of at most this rank (:meth:`load_adapter`). `llm_kwargs` go to
-        `vllm.LLM` unchanged.
+        `lora_rank`: serve one LoRA adapter of at most this rank (:meth:`load_adapter`). `return_routed_experts`:
+        an MoE model's outputs carry the experts its routers chose per token (vLLM's
+        `enable_return_routed_experts`; routing replay in the trainer). `llm_kwargs` go to `vllm.LLM` unchanged.
         """
         import torch.distributed as dist
         from vllm import LLM
@@ -179,13 +182,22 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._on_cpu and external_launcher and dist.get_world_size() > 1:
             _unique_cpu_shm_names()
         self._sleep_enabled = enable_sleep_mode
+        self._moe_layers: Optional[list[int]] = None  # vLLM's per-layer routing -> the MoE layers', in order
+        if return_routed_experts:
+            from megarl.models.model_dims import read_model_dims
+
+            moe = read_model_dims(config, source=f"{model_path}/config.json").moe_layers
+            self._moe_layers = [layer for layer, is_moe in enumerate(moe) if is_moe]
+            if not self._moe_layers:
+                raise ValueError(f"VLLMRolloutEngine: return_routed_experts needs an MoE model; {model_path} has none")
+            llm_kwargs["enable_return_routed_experts"] = True
         self._lora_rank = lora_rank
         self._adapter_loaded = False
         if lora_rank:
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_compat.lora_rank_slot(lora_rank))
         engine_env = (vllm_compat.in_process_engine_env(local_device_index) if in_process
                       else contextlib.nullcontext())
-        with engine_env:
+        with engine_env, vllm_compat.routed_experts_env(return_routed_experts):
             self.llm = LLM(
                 model=model_path,
                 tensor_parallel_size=tensor_parallel_size,
@@ -227,7 +239,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise RuntimeError(f"vLLM returned {len(request.outputs)} samples for prompt {index}, "
                                    f"expected {sampling.n}")
             for completion in sorted(request.outputs, key=lambda c: c.index):
-                outputs.append(self._convert(index, completion, sampling))
+                outputs.append(self._convert(index, completion, sampling, len(request.prompt_token_ids)))
         return outputs
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int):
@@ -252,8 +264,7 @@ class VLLMRolloutEngine(RolloutEngine):
             detokenize=bool(sampling.stop),
         )
 
-    @staticmethod
-    def _convert(prompt_index: int, completion, sampling: SamplingConfig) -> RolloutOutput:
+    def _convert(self, prompt_index: int, completion, sampling: SamplingConfig, prompt_len: int) -> RolloutOutput:
         if completion.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM finished a sample of prompt {prompt_index} with "
                                f"{completion.finish_reason!r} (expected 'stop' or 'length')")
@@ -262,8 +273,21 @@ class VLLMRolloutEngine(RolloutEngine):
         if sampling.logprobs:
             # With logprobs=0 each position's dict holds exactly the sampled token (plus nothing else).
             log_probs = [float(position[token].logprob) for token, position in zip(token_ids, completion.logprobs)]
+        routed, start = None, 0
+        if self._moe_layers is not None:
+            if getattr(completion, "routed_experts", None) is None:
+                raise RuntimeError(f"vLLM returned no routed experts for a sample of prompt {prompt_index} "
+                                   "(enable_return_routed_experts is on)")
+            routed = completion.routed_experts[:, self._moe_layers].astype(np.int16)
+            # vLLM routes every token it computes: the prompt (less a prefix served from its cache) and the
+            # response less its last token
+            start = prompt_len + len(token_ids) - 1 - routed.shape[0]
+            if start < 0:
+                raise RuntimeError(f"vLLM returned routing for {routed.shape[0]} tokens of a sample with "
+                                   f"{prompt_len} + {len(token_ids)} tokens")
         return RolloutOutput(prompt_index=prompt_index, token_ids=token_ids, log_probs=log_probs,
-                             finish_reason=completion.finish_reason)
+                             finish_reason=completion.finish_reason, routed_experts=routed,
+                             routed_experts_start=start)
 
     # ------------------------------------------------------------------ weights
 

@@ -38,11 +38,17 @@ def _batch(seed: int = 0) -> TrainBatch:
 def test_each_shipped_field_reaches_the_engine_through_the_driver(tmp_path):
     cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [
         "trainer.backend=inprocess", f"trainer.default_local_dir={tmp_path}", "actor_rollout_ref.actor.optim.lr=0.0",
-        "actor_rollout_ref.actor.use_kl_loss=true", f"data.max_response_length={RESPONSE}"])
+        "actor_rollout_ref.actor.use_kl_loss=true", f"data.max_response_length={RESPONSE}",
+        # an MoE policy replaying the rollout's routing (R3): the routing is a shipped field too
+        "actor_rollout_ref.model.path=embedded:tiny-qwen3-moe", "actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
     workers = start_workers(cfg, total_steps=1)
     try:
         batch = _batch()
         g = torch.Generator().manual_seed(1)
+        experts = torch.rand(ROWS, PROMPT + RESPONSE, 2, 8, generator=g).argsort(dim=-1)[..., :2]
+        known = batch.attention_mask.bool()[..., None, None]
+        batch.routed_experts = torch.where(known, experts, torch.full_like(experts, -1)).to(torch.int16)
         log_probs = workers.actor.compute_log_probs(batch).log_probs
         batch.old_log_probs = log_probs + 0.3 * torch.randn(log_probs.shape, generator=g)
         batch.ref_log_probs = workers.actor.compute_ref_log_probs(batch)

@@ -48,3 +48,23 @@ def test_context_is_what_the_chat_template_writes_between_turns(tokenizer):
     generated = history[1]["content"] + tokenizer.eos_token
     whole = tokenizer.apply_chat_template(history + tool, add_generation_prompt=True, tokenize=False)
     assert prompt + generated + tokenizer.decode(ids) == whole
+
+
+def _routing(positions: int, value: int):
+    import numpy as np
+
+    return np.full((positions, 2, 2), value, dtype=np.int16)
+
+
+def test_each_turns_routing_covers_the_sequence_before_its_last_token_and_a_cached_prefix_keeps_the_earlier():
+    trajectory = Trajectory(prompt_ids=[5, 6, 7], max_response_length=8)
+    trajectory.add_generated([10, 11])
+    trajectory.add_routing(_routing(3 + 2 - 1, 1), start=0)  # prompt + first turn less its last token
+    trajectory.add_context([20])
+    trajectory.add_generated([12, 13, 14, 15, 16])  # the budget keeps 5 of 5
+    # the second request routed from position 2 on (positions 0-1 came from the prefix cache), and one token
+    # further than what was kept would reach (a longer turn cut by the budget)
+    trajectory.add_routing(_routing(3 + 2 + 1 + 5 - 1 - 2 + 1, 2), start=2)
+    routed = trajectory.routed_experts
+    assert routed.shape == (10, 2, 2)  # the 11 tokens less the last
+    assert (routed[:2] == 1).all() and (routed[2:] == 2).all()

@@ -258,7 +258,7 @@ def test_update_arguments_split_each_mini_batch_of_prompts_over_the_data_paralle
     assert actor_update_arguments(cfg, dp_size=2)["mini_batch_size"] == 8 * 4 // 2
     critic = critic_update_arguments(cfg, dp_size=2)
     assert critic == dict(ppo_epochs=3, mini_batch_size=2 * 4 // 2, cliprange_value=0.7,
-                          loss_agg_mode=cfg.critic.loss_agg_mode)
+                          loss_agg_mode=cfg.critic.loss_agg_mode, replay_routing=False)
 
 
 def test_megatron_overrides_reach_megatron_and_unknown_names_are_refused():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from functools import partial
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ DISTILL = DistillationSpec(loss_mode="k3", use_policy_gradient=False, distillati
 BASE = dict(policy_loss_name="ppo_clip", clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
             policy_loss_options=None, distillation=DISTILL, entropy_coeff=0.0,
             use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", loss_agg_mode="token-mean",
-            norm_length=None)
+            norm_length=None, replay_routing=True)
 # option -> (changed value, extra changes it needs to matter, the metrics it must move)
 OPTIONS = {
     "policy_loss_name": ("gspo", {"clip_ratio_c": None}, ("pg_loss",)),
@@ -54,13 +55,16 @@ OPTIONS = {
     "kl_loss_type": ("k1", {}, ("kl_loss",)),
     "loss_agg_mode": ("seq-mean-token-sum", {}, ("pg_loss",)),
     "norm_length": (24, {"loss_agg_mode": "seq-mean-token-sum-norm"}, ("pg_loss",)),
+    # the batch's routing is not the routers' own: routing by themselves changes the log-probs
+    "replay_routing": (False, {}, ("pg_loss",)),
 }
 SCHEDULE = {"ppo_epochs", "mini_batch_size"}  # how often the loss runs, not what it is
-CRITIC_BASE = dict(cliprange_value=0.5, loss_agg_mode="token-mean", norm_length=None)
+CRITIC_BASE = dict(cliprange_value=0.5, loss_agg_mode="token-mean", norm_length=None, replay_routing=True)
 CRITIC_OPTIONS = {
     "cliprange_value": (0.05, {}, ("vf_clipfrac", "vf_loss")),
     "loss_agg_mode": ("seq-mean-token-sum", {}, ("vf_loss",)),
     "norm_length": (24, {"loss_agg_mode": "seq-mean-token-sum-norm"}, ("vf_loss",)),
+    "replay_routing": (False, {}, ("vf_loss",)),
 }
 
 
@@ -88,6 +92,8 @@ def _perturbed(batch: TrainBatch, field: str) -> TrainBatch:
         assert len(excluded) and len(included) > 2 * len(excluded), "the batch leaves too few tokens out"
         value = batch.response_mask.clone()
         value[included[-len(excluded):].unbind(1)] = 0
+    elif field == "routed_experts":  # every known choice moved to the next experts (any expert count >= 3)
+        value = torch.where(value >= 0, (value + 1) % (int(value.max()) + 1), value)
     elif field == "response_mask":
         # without a loss / generated mask it is the one that counts
         return dataclasses.replace(batch, response_mask=value, loss_mask=None, generated_mask=None)
@@ -154,12 +160,16 @@ def _wiring_worker(rank):
 
     initialize_megatron_parallel(layout=ParallelLayout(), seed=1)
     frozen = OptimizerConfig(lr=0.0, min_lr=0.0)
-    config = tiny_config()
+    # an MoE model whose routers replay the batch's routing: the routing is a shipped field like the others
+    config = tiny_config(moe=True)
     actor = ActorEngine(model_provider=gpt_provider(config), config=config, optimizer_config=frozen,
-                        micro_batch_size=4)
+                        micro_batch_size=4, routing_replay=True)
     batch = synthetic_batch(8)
     g = torch.Generator().manual_seed(3)
-    log_probs, _ = actor.compute_log_probs(batch)
+    own = actor.log_prob_pass(batch, record_routing=True).routed_experts
+    experts = torch.rand(*own.shape[:3], 4, generator=g).argsort(dim=-1)[..., :2]
+    batch.routed_experts = torch.where(own >= 0, experts, own).to(torch.int16)
+    log_probs, _ = actor.compute_log_probs(batch, replay_routing=True)
     shift = 0.3 * torch.randn(log_probs.shape, generator=g)
     shift[:, 0] = -1.5  # ratio e^1.5 > clip_ratio_c on the first token: the dual clip has work to do
     batch.old_log_probs = log_probs + shift
@@ -174,17 +184,17 @@ def _wiring_worker(rank):
     # the forward-only calls the worker makes with a shipped batch (the reference engine is the same class)
     results["log_probs_read"] = _record_reads(actor.compute_log_probs, batch)
 
-    critic_config = tiny_config()
+    critic_config = tiny_config(moe=True)
     critic = CriticEngine(model_provider=gpt_provider(critic_config), config=critic_config, optimizer_config=frozen,
-                          micro_batch_size=4)
-    predicted = critic.compute_values(batch)
-    batch.values = predicted + 0.3 * torch.randn(predicted.shape, generator=g)  # old values: clipping has work
+                          micro_batch_size=4, routing_replay=True)
+    predicted = critic.compute_values(batch, replay_routing=True)
+    batch.values = predicted + 0.6 * torch.randn(predicted.shape, generator=g)  # old values: clipping has work
     batch.returns = predicted + torch.randn(predicted.shape, generator=g)
     batch.generated_mask = batch.loss_mask.clone()
     results["critic"] = _sweep(
         lambda b, **changes: critic.update_critic(b, mini_batch_size=8, **{**CRITIC_BASE, **changes}),
         batch, CRITIC_BASE, CRITIC_OPTIONS, CriticWorker.update_critic)
-    results["values_read"] = _record_reads(critic.compute_values, batch)
+    results["values_read"] = _record_reads(partial(critic.compute_values, replay_routing=True), batch)
     return results
 
 
@@ -220,7 +230,7 @@ def test_the_baseline_repeats_exactly(wiring):
         # lr = 0: only the inputs move a metric (the step's wall time aside)
         assert untimed(wiring[role]["base"]) == untimed(wiring[role]["base_again"]), role
     assert wiring["actor"]["base"]["pg_clipfrac"] > 0 and wiring["actor"]["base"]["pg_clipfrac_lower"] > 0
-    assert wiring["critic"]["base"]["vf_clipfrac"] > 0
+    assert wiring["critic"]["base"]["vf_clipfrac"] > 0, wiring["critic"]["base"]
 
 
 @pytest.mark.parametrize("role, option", [(r, o) for r in sorted(ROLES) for o in sorted(ROLES[r][3])])

@@ -9,10 +9,15 @@ PROMPT_LEN = 6
 RESPONSE_LEN = 6
 
 
-def tiny_config(*, tp: int = 1, pp: int = 1, vpp=None, num_layers: int = 2):
+# moe=True: every layer's MLP is 4 experts, 2 routed per token (megatron's local MoE layer, no balancing loss)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="alltoall",
+           moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False)
+
+
+def tiny_config(*, tp: int = 1, pp: int = 1, vpp=None, num_layers: int = 2, moe: bool = False):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    return TransformerConfig(**(MOE if moe else {}),
         num_layers=num_layers, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
         use_cpu_initialization=True, perform_initialization=True, init_method_std=0.02,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -32,7 +37,7 @@ def gpt_provider(config, *, seed: int = 11, tie: bool = False, sdpa: bool = Fals
 
     def provide(pre_process, post_process, vp_stage):
         torch.manual_seed(seed)
-        spec = get_gpt_layer_local_spec()
+        spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
         if sdpa:
             from megarl.models.sdpa_attention import SDPADotProductAttention
 
