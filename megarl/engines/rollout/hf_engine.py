@@ -285,8 +285,13 @@ class HFRolloutEngine(RolloutEngine):
             param.copy_((base.float() + scale * update).to(param.dtype))
 
     def _find_weight(self, name: str):
-        """The parameter (or fused-expert view) a checkpoint tensor named ``name`` fills; None when none does."""
+        """The parameter (or fused-expert view, or weight kept as a buffer) a checkpoint tensor named ``name``
+        fills; None when none does."""
         param = self._params_by_name.get(name)
+        if param is None and name.endswith("e_score_correction_bias"):
+            # DeepSeek-V3's router bias is a buffer that checkpoints hold; looked up by name each time, since
+            # moving the model (sleep / wake up) replaces buffers, not parameters
+            return self.model.get_buffer(name)
         return self._fused_expert_slice(name) if param is None else param
 
     def _fused_expert_slice(self, name: str):

@@ -16,13 +16,35 @@ from tests.distributed.models.bridge_workers import (TWO_RANK_LAYOUTS, build_chu
 BUCKET_BYTES = 16 * 1024
 
 
+# every MoE architecture: Qwen3-MoE (routed experts) and DeepSeek-V3 (MLA, shared experts, the router's
+# aux-loss-free expert bias, a dense first layer), experts split over two ranks
+LAYOUTS = TWO_RANK_LAYOUTS + [("deepseek_v3", dict(expert_parallel=2))]
+
+
 def _perturb(chunks) -> None:
-    # Noise seeded by parameter name: replicated parameters get the same noise on every TP rank.
+    # Noise seeded by parameter name: replicated parameters get the same noise on every TP rank. The routers'
+    # expert bias (a buffer: it moves by load balancing, not by gradients) too, enough to change which experts
+    # some tokens take.
     with torch.no_grad():
         for chunk in chunks:
-            for name, param in chunk.named_parameters():
+            named = list(chunk.named_parameters()) + [(n, b) for n, b in chunk.named_buffers() if n.endswith("expert_bias")]
+            for name, tensor in named:
                 g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                param.add_(0.05 * torch.randn(param.shape, generator=g, dtype=param.dtype))
+                scale = 0.5 if name.endswith("expert_bias") else 0.05
+                tensor.add_(scale * torch.randn(tensor.shape, generator=g, dtype=tensor.dtype))
+
+
+def _expert_biases(chunks, engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(the trainer's expert bias, the rollout engine's) per MoE layer of this rank's chunks."""
+    pairs = []
+    for chunk in chunks:
+        for name, buffer in chunk.named_buffers():
+            if name.endswith("expert_bias"):
+                layer = int(name.split("layers.")[1].split(".")[0])
+                offset = chunk.decoder.layers[0].layer_number - 1  # this stage's first global layer
+                hf = engine.model.model.layers[layer + offset].mlp.gate.e_score_correction_bias
+                pairs.append((buffer.detach().float().clone(), hf.detach().float().clone()))
+    return pairs
 
 
 def _sync_world(rank, hf_dir, layout_kwargs):
@@ -48,11 +70,11 @@ def _sync_world(rank, hf_dir, layout_kwargs):
         rollout_logits = engine.model(input_ids=tokens).logits
     largest_tensor = max(p.numel() * p.element_size() for p in engine.model.parameters())
     return trainer_logits, rollout_logits, stats.largest_bucket_bytes, stats.num_buckets, largest_tensor, \
-        stats.num_tensors
+        stats.num_tensors, _expert_biases(chunks, engine)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("arch, layout", TWO_RANK_LAYOUTS)
+@pytest.mark.parametrize("arch, layout", LAYOUTS)
 def test_rollout_logits_equal_trainer_logits_after_sync(tmp_path, arch, layout):
     from megarl.models.tiny import save_tiny_hf_checkpoint
 
@@ -62,13 +84,17 @@ def test_rollout_logits_equal_trainer_logits_after_sync(tmp_path, arch, layout):
     trainer = [r[0] for r in results if r[0] is not None]
     assert trainer, "the last pipeline stage returns the trainer's logits"
     for trainer_logits in trainer:
-        for _, rollout_logits, largest_bucket, buckets, largest_tensor, tensors in results:
+        for _, rollout_logits, largest_bucket, buckets, largest_tensor, tensors, _ in results:
             torch.testing.assert_close(rollout_logits, trainer_logits, rtol=1e-4, atol=1e-4)
             assert largest_bucket <= max(BUCKET_BYTES, largest_tensor)
             assert buckets > 1
     # The sync really changed the rollout model (the trainer's weights were perturbed).
     assert (results[0][1] - before).abs().max() > 1e-2
     assert results[0][5] == results[1][5]  # every rank received the whole model
+    biases = [pair for result in results for pair in result[6]]
+    assert bool(biases) == (arch == "deepseek_v3")
+    for trainer_bias, rollout_bias in biases:  # the perturbed expert bias itself, not only its effect
+        assert torch.equal(rollout_bias, trainer_bias)
 
 
 def test_bucketize_bounds_and_order():
