@@ -4,7 +4,9 @@
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
 # (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host;
-#  GEN_ALONE=1 (big, lora, e2e) adds plain vLLM's generation of the same prompts after the run)
+#  GEN_ALONE=1 (big, lora, e2e) adds plain vLLM's generation of the same prompts after the run; EXTRA adds trainer
+#  overrides and TAG a suffix to the result's name: FP8 rollout beside bf16 is
+#  `bash bench/run_device.sh big; EXTRA=actor_rollout_ref.rollout.quantization=fp8 TAG=_fp8 bash bench/run_device.sh big`)
 # (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
 #  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
@@ -90,7 +92,7 @@ elif [ "$MODE" = big ]; then  # GRPO at $MODELS (default 7b) on one GPU, random 
     step "e2e_$model" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" --random-init \
       --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
       --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" ${GEN_ALONE:+--gen-alone} \
-      --out "$OUT/e2e_$model.json" $O.megatron.recompute_granularity=full $O.megatron.grad_offload=true \
+      --out "$OUT/e2e_$model${TAG:-}.json" $O.megatron.recompute_granularity=full $O.megatron.grad_offload=true \
       $O.megatron.use_distributed_optimizer=true \
       $O.megatron.override_ddp_config.grad_reduce_in_fp32=$FP32_GRADS \
       $O.optim.override_optimizer_config.optimizer_cpu_offload=true \

@@ -2,7 +2,8 @@
 
 ``critic.enable`` (None: on exactly when the advantage estimator needs values, i.e. gae),
 ``actor.clip_ratio_low`` / ``clip_ratio_high`` (None: ``clip_ratio``), ``critic.use_sequence_packing`` (None:
-the actor's ``model.use_sequence_packing``). Leaves out every check (:mod:`megarl.config.validate`).
+the actor's ``model.use_sequence_packing``), ``algorithm.rollout_correction.rollout_is`` (token-level TIS under
+``rollout.quantization=fp8`` unless rollout correction is configured; ``none``: none). Leaves out every check (:mod:`megarl.config.validate`).
 """
 
 from __future__ import annotations
@@ -20,4 +21,11 @@ def fill_derived_defaults(cfg: MegarlConfig) -> MegarlConfig:
         actor.clip_ratio_high = actor.clip_ratio
     if cfg.critic.use_sequence_packing is None:
         cfg.critic.use_sequence_packing = cfg.actor_rollout_ref.model.use_sequence_packing
+    correction = cfg.algorithm.rollout_correction
+    if correction.rollout_is == "none":  # asked for explicitly: none, even under FP8 rollout
+        correction.rollout_is = None
+    elif cfg.actor_rollout_ref.rollout.quantization == "fp8" and not correction.enabled:
+        # FP8 generation moves the rollout's log-probs away from the bf16 trainer's: token-level TIS corrects
+        # for it (what verl, slime and NeMo-RL pair with FP8 rollout)
+        correction.rollout_is = "token"
     return cfg

@@ -231,6 +231,10 @@ class RolloutConfig:
     # MoE: the rollout engine returns each token's routed experts (vLLM's enable_return_routed_experts), for
     # router_replay.mode=R3 and the routing/rollout_mismatch_frac metric
     enable_rollout_routing_replay: bool = False
+    # fp8: vLLM generates with FP8 weights (per-tensor, dynamic activation scales) quantized from the synced bf16
+    # weights at every sync; training stays bf16. Turns on token-level TIS (algorithm.rollout_correction.rollout_is
+    # =token) unless rollout_correction is configured (rollout_is=none: none). verl's key.
+    quantization: Optional[str] = None
 
 
 @dataclass

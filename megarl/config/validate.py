@@ -267,6 +267,10 @@ def check_config(cfg: MegarlConfig) -> None:
     check_choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
     check_choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
     check_choice(rollout.load_format, ("auto", "dummy"), "actor_rollout_ref.rollout.load_format")
+    check_choice(rollout.quantization, (None, "fp8"), "actor_rollout_ref.rollout.quantization")
+    if rollout.quantization is not None and rollout.name != "vllm":
+        raise ConfigError(f"actor_rollout_ref.rollout.quantization={rollout.quantization} is vLLM's: it needs "
+                          f"actor_rollout_ref.rollout.name=vllm (got {rollout.name!r})")
     check_choice(cfg.algorithm.filter_groups.metric, ("score",), "algorithm.filter_groups.metric")
     if cfg.algorithm.filter_groups.max_num_gen_batches < 0:
         raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "

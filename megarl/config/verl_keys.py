@@ -69,8 +69,9 @@ FULL = {
                                                     "actor_rollout_ref.rollout.weight_sync_transport otherwise"),
     "actor_rollout_ref.rollout.disaggregation": "prefill/decode disaggregation is not in megarl",
     "actor_rollout_ref.rollout.mtp": "speculative decoding (MTP) in the rollout is not in megarl",
-    "actor_rollout_ref.rollout.quantization": "FP8 rollout is not in megarl yet (planned: issue 36)",
-    "actor_rollout_ref.rollout.quantization_config_file": "FP8 rollout is not in megarl yet (planned: issue 36)",
+    "actor_rollout_ref.rollout.quantization_config_file": ("megarl's FP8 rollout is vLLM's own online FP8 "
+                                                           "(actor_rollout_ref.rollout.quantization=fp8); block-wise "
+                                                           "FP8 configs are not taken yet"),
     "actor_rollout_ref.rollout.skip_tokenizer_init": "megarl's vLLM engine always skips detokenisation without stop strings",
     "actor_rollout_ref.rollout.over_sample_rate": "not in megarl: every requested sample is generated",
     "actor_rollout_ref.rollout.multi_stage_wake_up": ("megarl always wakes vLLM in stages: weights for the sync, then "

@@ -50,6 +50,8 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
             engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
         if adapter_rank:
             engine_kwargs["lora_rank"] = adapter_rank
+        if rollout.quantization:  # vLLM quantizes what it loads, and again at every weight sync (layerwise)
+            engine_kwargs["quantization"] = rollout.quantization
     if rollout.enable_rollout_routing_replay:
         engine_kwargs["return_routed_experts"] = True
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)

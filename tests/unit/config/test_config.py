@@ -107,6 +107,12 @@ def test_overrides_are_typed(tmp_path):
      "actor_rollout_ref.model.use_sequence_packing=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=19",
      r"ppo_max_token_len_per_gpu=19 is smaller than the longest possible row: .* = 40 \(context_parallel_size=2: "
      r"a row of 40 tokens over 2 GPUs\); use at least 20"),
+    ("actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.quantization=fp8",
+     r"actor_rollout_ref.rollout.quantization=fp8 is vLLM's: it needs actor_rollout_ref.rollout.name=vllm"),
+    ("actor_rollout_ref.rollout.quantization=int4", r"actor_rollout_ref.rollout.quantization"),
+    ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
+     r"router_replay.mode=R3 replays the rollout's routing: set actor_rollout_ref.rollout.enable_rollout_routing_replay"),
+    ("actor_rollout_ref.actor.megatron.router_replay.mode=R4", r"actor_rollout_ref.actor.megatron.router_replay.mode"),
 ])
 def test_bad_settings_name_the_key(override, message):
     overrides = override.split(" ")
@@ -286,3 +292,13 @@ def test_megatron_overrides_reach_megatron_and_unknown_names_are_refused():
                            "trainer.device=cpu"])
     with pytest.raises(ConfigError, match=r"override_optimizer_config: expected a mapping"):
         load_config(None, ["actor_rollout_ref.actor.optim.override_optimizer_config=7"])
+
+
+@pytest.mark.parametrize("correction, expected", [([], "token"), (["algorithm.rollout_correction.rollout_is=none"], None),
+                                                  (["algorithm.rollout_correction.rollout_is=sequence"], "sequence"),
+                                                  (["algorithm.rollout_correction.rollout_rs=token_k1",
+                                                   "algorithm.rollout_correction.rollout_rs_threshold=2.0"], None)])
+def test_fp8_rollout_turns_on_token_level_tis_unless_rollout_correction_is_configured(correction, expected):
+    cfg = load_config(overrides=DEMO_SIZES + ["actor_rollout_ref.rollout.quantization=fp8"] + correction)
+    assert cfg.algorithm.rollout_correction.rollout_is == expected
+    assert load_config(overrides=DEMO_SIZES).algorithm.rollout_correction.rollout_is is None  # bf16: none

@@ -1,0 +1,83 @@
+"""On CUDA with real vLLM: FP8 rollout (``actor_rollout_ref.rollout.quantization=fp8``). vLLM quantizes the bf16
+weights it loads to FP8, and a weight sync of other bf16 weights is quantized again (megarl's weight update takes
+vLLM's layerwise reload for any quantized model, which re-processes each layer after loading): after the sync
+the engine scores like the new weights, within FP8's error, and unlike the old ones.
+
+Written in the session of 2026-12-06 15:10 (no device came); to run with ``bash bench/run_device.sh validate``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.gpu.test_vllm_cuda import CONFIG, PROMPTS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_fp8_engine_requantizes_the_synced_weights(tmp_path):
+    pytest.importorskip("vllm")
+    from tests.dist_harness import run_distributed
+
+    # a process of its own, as every in-process vLLM engine of tests/gpu
+    assert run_distributed(_world, 1, str(tmp_path), cuda=True)[0]
+
+
+def _greedy_log_probs(model, prompts) -> tuple[list[int], list[float]]:
+    tokens, log_probs = [], []
+    for prompt in prompts:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+        reference = torch.log_softmax(logits, -1)
+        tokens.append(int(reference.argmax()))
+        log_probs.append(float(reference.max()))
+    return tokens, log_probs
+
+
+def _world(rank, model_dir):
+    from pathlib import Path
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megarl.engines.rollout.base import SamplingConfig
+    from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
+    from megarl.weight_sync.buckets import bucketize
+
+    path = Path(model_dir)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    torch.manual_seed(0)
+    old = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).cuda().eval()
+    old.save_pretrained(path)
+    torch.manual_seed(1)
+    new = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).cuda().eval()
+    engine = VLLMRolloutEngine(str(path), dtype="bfloat16", in_process=True, enforce_eager=True, max_model_len=512,
+                               kv_cache_memory_bytes=1 << 30, seed=0, gpu_memory_utilization=0.2,
+                               enable_prefix_caching=False, quantization="fp8")
+    prompts = PROMPTS[:8]
+    sampling = SamplingConfig.greedy(max_tokens=1, logprobs=True, ignore_eos=True)
+    try:
+        loaded = engine.generate(prompts, sampling)
+        weights = {name: t.detach() for name, t in new.state_dict().items()}
+        for bucket in bucketize(sorted(weights.items()), 8 << 20):
+            engine.update_weights(bucket)
+        engine.finish_weight_update()
+        assert engine.weight_reload_taken == "layerwise"  # quantized weights are re-processed, never copied into
+        synced = engine.generate(prompts, sampling)
+    finally:
+        engine.shutdown()
+    old_tokens, old_lp = _greedy_log_probs(old, prompts)
+    new_tokens, new_lp = _greedy_log_probs(new, prompts)
+
+    def gap(outputs, reference):
+        return max(abs(out.log_probs[0] - lp) for out, lp in zip(outputs, reference))
+
+    # FP8 weights and activations: a few tenths of a log-prob at most on this 4-layer model, and the synced
+    # engine is far closer to the new weights than to the old ones (and the loaded one to the old)
+    assert gap(loaded, old_lp) < 0.5 and gap(synced, new_lp) < 0.5, (gap(loaded, old_lp), gap(synced, new_lp))
+    assert sum(out.token_ids[0] == t for out, t in zip(synced, new_tokens)) >= 6
+    assert sum(out.token_ids[0] == t for out, t in zip(synced, old_tokens)) <= 2
+    return True
