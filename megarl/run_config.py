@@ -74,6 +74,11 @@ def check_megatron_overrides(cfg: MegarlConfig) -> None:
     """``*.optim.override_optimizer_config``, ``*.megatron.override_ddp_config`` and ``override_transformer_config``
     name megatron-core's own
     fields: an unknown name, or values megatron refuses, fail at load with the key, not at the first step."""
+    roles = (cfg.actor_rollout_ref.actor, cfg.critic)
+    if not any(role.optim.override_optimizer_config or role.megatron.override_ddp_config for role in roles) and not any(
+            m.override_transformer_config for m in (cfg.actor_rollout_ref.actor.megatron, cfg.critic.megatron,
+                                                    cfg.reward_model.megatron)):
+        return  # nothing to check: loading a config does not import megatron-core (seconds) for nothing
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 

@@ -21,6 +21,8 @@ def fill_derived_defaults(cfg: MegarlConfig) -> MegarlConfig:
         actor.clip_ratio_high = actor.clip_ratio
     if cfg.critic.use_sequence_packing is None:
         cfg.critic.use_sequence_packing = cfg.actor_rollout_ref.model.use_sequence_packing
+    if cfg.global_profiler.save_path is None:
+        cfg.global_profiler.save_path = f"{cfg.trainer.default_local_dir}/profile"
     correction = cfg.algorithm.rollout_correction
     if correction.rollout_is == "none":  # asked for explicitly: none, even under FP8 rollout
         correction.rollout_is = None

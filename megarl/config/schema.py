@@ -510,6 +510,17 @@ class DistillationConfig:
 
 
 @dataclass
+class GlobalProfilerConfig:
+    """verl's ``global_profiler``: the training ``steps`` every worker captures with ``tool`` (torch: a Chrome trace
+    per worker process under ``save_path``/step_<n>/; nsys: a CUDA profiler capture range, for ``nsys profile
+    --capture-range=cudaProfilerApi``), each worker method a named range (megarl.controller.profiling)."""
+
+    tool: Optional[str] = None  # None | torch | nsys
+    steps: list[int] = field(default_factory=list)
+    save_path: Optional[str] = None  # default: <trainer.default_local_dir>/profile
+
+
+@dataclass
 class MegarlConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -519,6 +530,7 @@ class MegarlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    global_profiler: GlobalProfilerConfig = field(default_factory=GlobalProfilerConfig)
 
     @property
     def responses_trained_per_prompt(self) -> int:

@@ -300,6 +300,12 @@ def check_config(cfg: MegarlConfig) -> None:
     _check_async_training(cfg)
     _check_multi_turn(cfg)
     check_choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
+    profiler = cfg.global_profiler
+    check_choice(profiler.tool, (None, "torch", "nsys"), "global_profiler.tool")
+    if profiler.tool is not None and not profiler.steps:
+        raise ConfigError(f"global_profiler.tool={profiler.tool} profiles global_profiler.steps: name them (e.g. [2])")
+    if profiler.tool == "nsys" and t.device == "cpu":
+        raise ConfigError("global_profiler.tool=nsys captures CUDA: trainer.device=cpu has none (use tool=torch)")
     check_choice(t.placement, ("colocate", "separate"), "trainer.placement")
     check_choice(t.backend, ("ray", "inprocess"), "trainer.backend")
     if t.backend == "inprocess" and world_size(cfg) != 1:

@@ -120,7 +120,13 @@ FULL = {
     "reward": ("verl's newer reward section: megarl's reward model is reward_model.* and custom scoring "
                "reward_model.custom_function.*"),
     "reward_model.rollout": "generative reward models (an LLM judge with its own rollout) use reward_model.remote.url",
-    "global_profiler": "profiling is not in megarl yet (planned: issue 40)",
+    "global_profiler.profile_continuous_steps": "megarl writes one trace per profiled step (global_profiler.steps)",
+    "global_profiler.relocate_results": "megarl writes the traces under global_profiler.save_path directly",
+    "global_profiler.finish_hook_cmd": "megarl runs no command after profiling: the trace paths are printed",
+    "global_profiler.finish_hook_ranks": "megarl runs no command after profiling: the trace paths are printed",
+    "global_profiler.finish_hook_all_ranks": "megarl runs no command after profiling: the trace paths are printed",
+    "global_profiler.global_tool_config": ("megarl's torch tool records CPU and CUDA activity with no schedule (the "
+                                           "whole step); nsys takes its options on the nsys command line"),
     "transfer_queue": "verl's transfer queue: megarl moves batches by Ray RPC and torch.distributed",
     "ray_kwargs": "megarl starts Ray itself or attaches with trainer.ray_address",
     "skip": "not in megarl: every step generates",
@@ -170,7 +176,8 @@ FULL = {
 }
 # A section's name anywhere in a key: the same answer in every role
 SEGMENT = {
-    "profiler": "profiling is not in megarl yet (planned: issue 40)",
+    "profiler": ("megarl profiles every rank of every role in the global_profiler.steps with global_profiler.tool "
+                 "(torch | nsys)"),
     "fsdp_config": "megarl trains with Megatron: the role's megatron.* keys",
     "checkpoint": ("megarl's checkpoints always hold the model, optimizer and RNG state (exact resume; with LoRA the "
                    "adapters); trainer.save_hf=true adds a Hugging Face copy"),

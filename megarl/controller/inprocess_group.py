@@ -12,6 +12,7 @@ import os
 from typing import Any, Mapping
 
 from megarl.controller.device_oom import naming_out_of_memory
+from megarl.controller.profiling import stage_range
 from megarl.controller.dispatch import (DPLayout, WorkerMethod, collect_results, lookup_method_spec, method_name_of,
                                        plan_dispatch, ship_reads)
 from megarl.controller.worker_env import ENV_DEVICE, ENV_GROUP_NAME, ENV_LOCAL_DEVICE, ENV_POOL_NODE
@@ -54,7 +55,7 @@ class InProcessWorkerGroup:
         args, kwargs = ship_reads(spec, args, kwargs)
         ((rank_args, rank_kwargs),) = plan_dispatch(spec.dispatch, args, kwargs, world_size=1, layout=self.dp_layout,
                                                      method_name=f"{self.name}.{method_name}")
-        with naming_out_of_memory(method_name, 0):
+        with naming_out_of_memory(method_name, 0), stage_range(method_name):
             result = getattr(self.worker, method_name)(*rank_args, **rank_kwargs)
         return collect_results(spec.collect, [result], layout=self.dp_layout, method_name=method_name)
 

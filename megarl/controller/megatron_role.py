@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.controller.dispatch import DPInfo
 from megarl.controller.engine_specs import DTYPES, transformer_overrides
+from megarl.controller.profiling import ProfiledWorker
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.parallel import initialize_megatron_parallel
 from megarl.models.bridge import unwrap_model
@@ -20,7 +21,7 @@ def fitting_micro_batch(rows: int, configured: int) -> int:
     return next(size for size in range(min(configured, rows), 0, -1) if rows % size == 0)
 
 
-class MegatronRole:
+class MegatronRole(ProfiledWorker):
     """Distributed + megatron bring-up shared by the worker classes."""
 
     def _bring_up(self, cfg: MegarlConfig, megatron: MegatronConfig, model_path: str, *, lora: bool = False) -> None:

@@ -16,14 +16,16 @@ in-process worker) and :meth:`Workers.shutdown` takes them down.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
 
 from megarl.batch import TrainBatch, select_rows
-from megarl.config.schema import MegarlConfig
+from megarl.config.schema import GlobalProfilerConfig, MegarlConfig
 from megarl.controller.dispatch import RankGroup
+from megarl.controller.profiling import ProfiledWorker
 from megarl.controller.reward_model_worker import RewardModelWorker
 from megarl.controller.rollout_worker import RolloutWorker
 from megarl.controller.teacher_worker import TeacherWorker
@@ -232,6 +234,24 @@ class Workers:
     groups: list = field(default_factory=list)
     pools: list = field(default_factory=list)  # their placement groups outlive the run on an attached cluster
     started_ray: bool = False
+    profiler: Optional[GlobalProfilerConfig] = None  # global_profiler, its save_path resolved
+
+    @contextlib.contextmanager
+    def profiled_step(self, step: int):
+        """``global_profiler``: ``step`` captured by every worker of every group (megarl.controller.profiling);
+        other steps run as they are. Yields the trace files written (filled when the step ends)."""
+        profiler = self.profiler
+        traces: list[str] = []
+        if profiler is None or profiler.tool is None or step not in profiler.steps:
+            yield traces
+            return
+        for group in self.groups:
+            group.call(ProfiledWorker.start_profile, profiler.save_path, step, profiler.tool)
+        try:
+            yield traces
+        finally:
+            for group in self.groups:
+                traces += [path for path in group.call(ProfiledWorker.stop_profile) if path]
 
     def shutdown(self) -> None:
         for group in self.groups:

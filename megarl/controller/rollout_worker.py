@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from megarl.config.schema import MegarlConfig
+from megarl.controller.profiling import ProfiledWorker
 from megarl.controller.dispatch import Collect, Dispatch, register
 from megarl.controller.engine_specs import DTYPES
 from megarl.controller.fault_injection import kill_point
@@ -57,7 +58,7 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
 
 
-class WeightReceiver:
+class WeightReceiver(ProfiledWorker):
     """The receiving side of a weight sync to separate rollout workers: what training rank 0 calls on each of
     them, through :class:`~megarl.controller.worker_group.PeerGroup` (:mod:`megarl.controller.peer_transports`).
     A subclass says where the tensors go (:meth:`apply_bucket`, :meth:`apply_finished`)."""

@@ -40,6 +40,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from megarl.controller.device_oom import DeviceOutOfMemory, naming_out_of_memory
+from megarl.controller.profiling import stage_range
 from megarl.controller.dispatch import (
     DP_INFO_METHOD,
     Collect,
@@ -146,7 +147,7 @@ class _WorkerHost:
             self._worker = self._worker_cls(*args, **kwargs)
 
     def execute(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        with naming_out_of_memory(method_name, self._rank):
+        with naming_out_of_memory(method_name, self._rank), stage_range(method_name):
             return getattr(self._worker, method_name)(*args, **kwargs)
 
 

@@ -15,12 +15,14 @@ reward model groups.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -62,7 +64,9 @@ class RLTrainer:
     def __init__(self, cfg: MegarlConfig, *, tokenizer, train_loader, val_dataset, scorer: SampleScorer,
                  actor: ActorRolloutRef, rollout, critic: Optional[Critic] = None,
                  teachers: Optional[Teachers] = None, logger: MetricsLogger,
-                 checkpoints: CheckpointManager, total_steps: int, stop_requested: Callable[[], bool] = lambda: False):
+                 checkpoints: CheckpointManager, total_steps: int, stop_requested: Callable[[], bool] = lambda: False,
+                 profiled_step: Callable[[int], ContextManager[list[str]]] = lambda step: contextlib.nullcontext([])):
+        self.profiled_step = profiled_step
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.train_loader = train_loader
@@ -106,7 +110,11 @@ class RLTrainer:
         while self.state.step < self.total_steps:
             self.state.step += 1
             step = self.state.step
-            metrics = self.train_step(step)
+            with self.profiled_step(step) as traces:  # global_profiler: this step's capture on every worker
+                metrics = self.train_step(step)
+            if traces:
+                print(f"[megarl] step {step} profiled: {len(traces)} trace(s) under {os.path.dirname(traces[0])}",
+                      flush=True)
             if self.val_dataset is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
                 metrics.update(self.validate())
             staging = None

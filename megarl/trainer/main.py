@@ -154,6 +154,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
             print(f"  note:        {note}", flush=True)
         logger = MetricsLogger(t.logger, out_dir)
         workers = start_workers(cfg, total_steps=total_steps)
+        workers.profiler = cfg.global_profiler
         if tools is not None:  # every response a conversation with the tools (validation's too)
             agent_rollout = build_agent_rollout(cfg, workers.rollout, tokenizer, tools)
         scorer = SampleScorer(cfg, tokenizer=tokenizer, reward_manager=reward_manager, rollout=workers.rollout,
@@ -162,7 +163,8 @@ def run(cfg: MegarlConfig) -> list[dict]:
                             scorer=scorer, actor=workers.actor, critic=workers.critic, teachers=workers.teachers,
                             rollout=agent_rollout or workers.rollout, logger=logger,
                             checkpoints=checkpoints,
-                            total_steps=total_steps, stop_requested=lambda: stop.requested)
+                            total_steps=total_steps, stop_requested=lambda: stop.requested,
+                            profiled_step=workers.profiled_step)
         with stop:
             return trainer.fit()
     finally:

@@ -169,10 +169,35 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, layout, request):
 
 @pytest.mark.timeout(600)
 def test_ppo_with_critic_runs(tmp_path):
-    history = _run(_config(tmp_path, "trainer.total_training_steps=3", recipe="ppo_tiny.yaml"))
+    """PPO through Ray workers; step 2 profiled (global_profiler): a torch trace per worker process, each worker
+    method a named range."""
+    history = _run(_config(tmp_path, "trainer.total_training_steps=3", "global_profiler.tool=torch",
+                           "global_profiler.steps=[2]", recipe="ppo_tiny.yaml"))
     assert len(history) == 3
     for key in ("critic/vf_loss", "critic/values/mean", "actor/pg_loss"):
         assert key in history[-1], (key, sorted(history[-1]))
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step_2"]
+    assert_profiled_stages(tmp_path / "profile" / "step_2", {
+        "ActorRolloutRefWorker": ("generate", "compute_log_probs", "update_actor", "sync_weights"),
+        "CriticWorker": ("compute_values", "update_critic")})
+
+
+def assert_profiled_stages(step_dir: Path, stages: dict[str, tuple[str, ...]]) -> None:
+    """Each worker class wrote a Chrome trace holding a ``megarl/<method>`` range for each of its stages."""
+    import json
+
+    for worker, methods in stages.items():
+        traces = sorted(step_dir.glob(f"{worker}_rank0_*.pt.trace.json"))
+        assert len(traces) == 1, sorted(p.name for p in step_dir.iterdir())
+        names = {event.get("name") for event in json.loads(traces[0].read_text())["traceEvents"]}
+        assert {f"megarl/{m}" for m in methods} <= names, (worker, sorted(n for n in names if "megarl" in str(n)))
+
+
+def test_an_in_process_step_is_profiled_with_its_stages_named(tmp_path):
+    _run(_config(tmp_path, "trainer.total_training_steps=1", "trainer.backend=inprocess",
+                 "global_profiler.tool=torch", "global_profiler.steps=[1]"))
+    assert_profiled_stages(tmp_path / "profile" / "step_1", {
+        "ActorRolloutRefWorker": ("generate", "compute_log_probs", "update_actor", "sync_weights")})
 
 
 @pytest.mark.timeout(300)
