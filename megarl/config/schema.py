@@ -437,6 +437,12 @@ class TrainerConfig:
     # refuse at start-up a run that python -m megarl.plan says does not fit this machine's GPU or host memory
     # (checked where the driver sees the GPUs: one node); false starts it anyway
     check_memory_plan: bool = True
+    # what the policy wrote (megarl.trainer.rollout_traces; verl's keys): every training step's rows as
+    # <rollout_data_dir>/<step>.jsonl, every validation's as <validation_data_dir>/<step>.jsonl, and
+    # log_val_generations validation samples per validation as a table to the loggers
+    rollout_data_dir: Optional[str] = None
+    validation_data_dir: Optional[str] = None
+    log_val_generations: int = 0
 
 
 @dataclass

@@ -300,6 +300,8 @@ def check_config(cfg: MegarlConfig) -> None:
     _check_async_training(cfg)
     _check_multi_turn(cfg)
     check_choice(t.device, ("auto", "cuda", "cpu"), "trainer.device")
+    if t.log_val_generations < 0:
+        raise ConfigError(f"trainer.log_val_generations must be >= 0, got {t.log_val_generations}")
     profiler = cfg.global_profiler
     check_choice(profiler.tool, (None, "torch", "nsys"), "global_profiler.tool")
     if profiler.tool is not None and not profiler.steps:

@@ -40,6 +40,7 @@ from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import mean_by_source
 from megarl.trainer.checkpoint import CheckpointManager
+from megarl.trainer.rollout_traces import rows_to_show, trace_rows, write_rows
 from megarl.trainer.generation import Generator
 from megarl.trainer.metrics import MetricsLogger, timed
 from megarl.trainer.resume_guard import read_trainer_state, resume_point
@@ -184,6 +185,8 @@ class RLTrainer:
                 metrics["actor/reference_updated"] = 1.0
         metrics.update(reward_metrics)
         metrics.update(batch_metrics(batch, scores, entropy))
+        if cfg.trainer.rollout_data_dir:
+            write_rows(cfg.trainer.rollout_data_dir, step, trace_rows(self.tokenizer, batch, scores, step))
         tokens = float(batch.attention_mask.sum())
         metrics["perf/tokens"] = tokens
         metrics["perf/tokens_per_s"] = tokens / max(metrics["timing_s/step"], 1e-9)
@@ -246,13 +249,22 @@ class RLTrainer:
     def validate(self) -> dict[str, float]:
         """Greedy (by default) responses on the whole validation set; mean score overall and per source."""
         start = time.perf_counter()
+        t, step = self.cfg.trainer, self.state.step
         sources: list[str] = []
         every: list[float] = []
+        traced: list[dict] = []  # trainer.validation_data_dir / log_val_generations
         for prompts in iter_in_order(self.val_dataset, self.cfg.data.val_batch_size):
             rollout = self.generator.generate(prompts, self.generator.val_sampling())
             _, scores, _ = self.scorer.score(rollout)
             sources += rollout.data_sources
             every += scores.tolist()
+            if t.validation_data_dir or t.log_val_generations:
+                traced += trace_rows(self.tokenizer, rollout, scores, step)
+        if t.validation_data_dir:
+            write_rows(t.validation_data_dir, step, traced)
+        if t.log_val_generations:
+            shown = [{k: row[k] for k in ("input", "output", "score")} for row in rows_to_show(traced, t.log_val_generations)]
+            self.logger.log_table("val_generations", shown, step)
         metrics = {"val/score/mean": sum(every) / max(len(every), 1)}
         for source, mean in mean_by_source(sources, every).items():
             metrics[f"val/{source}/score/mean"] = mean

@@ -68,6 +68,25 @@ class MetricsLogger:
             tqdm.write(f"step {step}: " + "  ".join(shown), file=self.stream)
             self.stream.flush()
 
+    def log_table(self, name: str, rows: list[dict], step: int) -> None:
+        """Rows of text to the loggers that show tables: TensorBoard's text tab (a markdown table) and
+        ``<log_dir>/<name>.jsonl`` (one line per call: the step and its rows)."""
+        if not rows:
+            return
+        if self._tb is not None:
+            columns = list(rows[0])
+
+            def cell(value) -> str:  # one markdown cell: no column breaks, no line breaks
+                return str(value).replace("|", "\\|").replace("\n", " ")
+
+            lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+            lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+            self._tb.add_text(name, "\n".join(lines), global_step=step)
+            self._tb.flush()
+        if "jsonl" in self.backends:
+            with open(self.log_dir / f"{name}.jsonl", "a") as handle:
+                handle.write(json.dumps({"step": step, "rows": rows}, default=str) + "\n")
+
     def forget_after(self, step: int) -> None:
         """Drop the JSONL rows of steps after ``step`` (a resumed run trains them again), atomically.
         TensorBoard files are append-only: a re-trained step appears there twice, the later value last."""

@@ -193,11 +193,36 @@ def assert_profiled_stages(step_dir: Path, stages: dict[str, tuple[str, ...]]) -
         assert {f"megarl/{m}" for m in methods} <= names, (worker, sorted(n for n in names if "megarl" in str(n)))
 
 
-def test_an_in_process_step_is_profiled_with_its_stages_named(tmp_path):
-    _run(_config(tmp_path, "trainer.total_training_steps=1", "trainer.backend=inprocess",
-                 "global_profiler.tool=torch", "global_profiler.steps=[1]"))
-    assert_profiled_stages(tmp_path / "profile" / "step_1", {
+def test_an_in_process_run_is_profiled_and_leaves_its_rollouts_and_validation_samples(tmp_path):
+    """Step 2 profiled with its stages named; every training step's rows and every validation's in JSONL files
+    (verl's rollout_data_dir / validation_data_dir), and three validation samples as a table to TensorBoard and
+    val_generations.jsonl, the same prompts at each validation."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.backend=inprocess",
+                 "global_profiler.tool=torch", "global_profiler.steps=[2]", "trainer.test_freq=1",
+                 "data.val_batch_size=16", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+                 f"trainer.validation_data_dir={tmp_path / 'validation'}", "trainer.log_val_generations=3"))
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step_2"]
+    assert_profiled_stages(tmp_path / "profile" / "step_2", {
         "ActorRolloutRefWorker": ("generate", "compute_log_probs", "update_actor", "sync_weights")})
+    for step in (1, 2):
+        rows = [json.loads(line) for line in (tmp_path / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 16 * 8 and {row["step"] for row in rows} == {step}
+        assert {"input", "output", "score", "data_source", "gts"} <= set(rows[0]) and rows[0]["input"]
+        validation = [json.loads(line) for line in (tmp_path / "validation" / f"{step}.jsonl").read_text().splitlines()]
+        assert len(validation) >= 64 and {row["step"] for row in validation} == {step}
+    tables = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in tables] == [1, 2] and all(len(t["rows"]) == 3 for t in tables)
+    assert [r["input"] for r in tables[0]["rows"]] == [r["input"] for r in tables[1]["rows"]]
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = events.Tensors("val_generations/text_summary")
+    first = texts[0].tensor_proto.string_val[0].decode()
+    assert [t.step for t in texts] == [1, 2] and first.splitlines()[0] == "| input | output | score |"
+    assert len(first.splitlines()) == 2 + 3 and tables[0]["rows"][0]["input"].replace("\n", " ") in first
 
 
 @pytest.mark.timeout(300)
