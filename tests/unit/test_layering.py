@@ -16,6 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megarl"
 LAYER = {"config": 0, "batch": 1, "data": 1, "rewards": 1, "algorithms": 1, "agents": 1, "models": 2, "plan": 2,
+         "doctor": 7,
          "run_config": 2, "checkpoint_io": 2, "engines": 3, "weight_sync": 4, "controller": 5, "trainer": 6,
          # a module whose layer is not its package's: how a whole-or-absent file is written, for the data writers too
          "checkpoint_io.files": 0}
