@@ -16,7 +16,7 @@ def test_the_doctor_reads_the_environment_and_runs_a_step():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for name in ("python", "torch", "megatron-core", "transformers", "vllm", "ray", "host memory", "/dev/shm"):
-        assert any(line.startswith(f"  [") and f"] {name}:" in line for line in lines), (name, proc.stdout)
+        assert any(line.startswith("  [") and f"] {name}:" in line for line in lines), (name, proc.stdout)
     smoke = [line for line in lines if "smoke step (hf)" in line]
     assert smoke and smoke[0].startswith("  [ok"), proc.stdout
     assert "0 failed" in lines[-1]
