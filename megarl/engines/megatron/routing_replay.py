@@ -89,7 +89,7 @@ class LayerReplay:
             if self.replay:
                 chosen = torch.where(known[:, None], target, own)
         if self.record and not self.in_backward:
-            self.recorded.append(chosen.detach())
+            self.recorded.append(chosen.detach().to(torch.int16))  # kept for the whole pass: a quarter of int64
         if chosen is own:
             return values, own
         return scores.gather(1, chosen), chosen
@@ -216,7 +216,8 @@ class RoutingReplay:
         from megatron.core import parallel_state as mpu
 
         device = micro_batches[0]["input_ids"].device
-        out = torch.full((rows * seq_len, len(self.moe_layers), topk), UNKNOWN_EXPERT, dtype=torch.long,
+        # int32: NCCL reduces no int16
+        out = torch.full((rows * seq_len, len(self.moe_layers), topk), UNKNOWN_EXPERT, dtype=torch.int32,
                          device=device)
         per_chunk = self._chunk_layers.values()
         for entries in per_chunk:
@@ -227,7 +228,7 @@ class RoutingReplay:
                 for mb, chosen in zip(micro_batches, layer.recorded):
                     codes = self.router_layout(mb["token_codes"])
                     real = codes >= 0
-                    out[codes[real], ordinal] = chosen[real].to(device)
+                    out[codes[real], ordinal] = chosen[real].to(device, torch.int32)
         # Sequence and context parallelism split the tokens, pipeline stages the layers: each entry was
         # written by exactly one rank of the replica, the others hold -1.
         for group in (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group()):
