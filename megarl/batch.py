@@ -17,6 +17,9 @@ from typing import Any, Optional
 import torch
 
 
+# routed_experts' entry where no routing is known (padding, a row's last token, a prefix an engine cached)
+UNKNOWN_EXPERT = -1
+
 # The fields a model's forward pass reads (the tokens and which of them are real): what every engine call takes
 MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
 

@@ -70,30 +70,37 @@ def check_component_settings(cfg: MegarlConfig) -> None:
         raise ConfigError(str(exc)) from exc
 
 
+def _refuse_unknown_fields(key: str, names, megatron_cls) -> None:
+    """Every name in ``names`` is a field of the megatron-core dataclass ``megatron_cls``; else the closest one is
+    named."""
+    known = {f.name for f in dataclasses.fields(megatron_cls)}
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}.{name}: megatron-core's {megatron_cls.__name__} has no field {name!r}{hint}")
+
+
 def check_megatron_overrides(cfg: MegarlConfig) -> None:
     """``*.optim.override_optimizer_config``, ``*.megatron.override_ddp_config`` and ``override_transformer_config``
     name megatron-core's own
     fields: an unknown name, or values megatron refuses, fail at load with the key, not at the first step."""
-    roles = (cfg.actor_rollout_ref.actor, cfg.critic)
-    if not any(role.optim.override_optimizer_config or role.megatron.override_ddp_config for role in roles) and not any(
-            m.override_transformer_config for m in (cfg.actor_rollout_ref.actor.megatron, cfg.critic.megatron,
-                                                    cfg.reward_model.megatron)):
+    roles = (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic))
+    megatrons = (("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron),
+                 ("critic.megatron", cfg.critic.megatron), ("reward_model.megatron", cfg.reward_model.megatron))
+    if not any(role.optim.override_optimizer_config or role.megatron.override_ddp_config for _, role in roles) and \
+            not any(megatron.override_transformer_config for _, megatron in megatrons):
         return  # nothing to check: loading a config does not import megatron-core (seconds) for nothing
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer import TransformerConfig
 
-    for prefix, role in (("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor), ("critic", cfg.critic)):
+    for prefix, role in roles:
         for key, overrides, megatron_cls in (
                 (f"{prefix}.optim.override_optimizer_config", role.optim.override_optimizer_config, OptimizerConfig),
                 (f"{prefix}.megatron.override_ddp_config", role.megatron.override_ddp_config,
                  DistributedDataParallelConfig)):
-            known = {f.name for f in dataclasses.fields(megatron_cls)}
-            for name in overrides:
-                if name not in known:
-                    close = difflib.get_close_matches(name, sorted(known), n=1)
-                    hint = f" (did you mean {close[0]!r}?)" if close else ""
-                    raise ConfigError(f"{key}.{name}: megatron-core's {megatron_cls.__name__} has no field "
-                                      f"{name!r}{hint}")
+            _refuse_unknown_fields(key, overrides, megatron_cls)
             try:  # with the base megarl gives it (engine_specs), which megatron's own checks may need
                 megatron_cls(**{"use_distributed_optimizer": role.megatron.use_distributed_optimizer, **overrides})
             except (AssertionError, ValueError) as exc:
@@ -103,17 +110,9 @@ def check_megatron_overrides(cfg: MegarlConfig) -> None:
         if role.optim.override_optimizer_config.get("optimizer_cpu_offload") and cfg.trainer.device == "cpu":
             raise ConfigError(f"{prefix}.optim.override_optimizer_config.optimizer_cpu_offload=true moves the "
                               f"optimizer from the GPU to the host: trainer.device=cpu has no GPU to move it from")
-    from megatron.core.transformer import TransformerConfig
-
-    known = {f.name for f in dataclasses.fields(TransformerConfig)}
-    for prefix, megatron in (("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron),
-                             ("critic.megatron", cfg.critic.megatron), ("reward_model.megatron", cfg.reward_model.megatron)):
-        for name in megatron.override_transformer_config:
-            if name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ConfigError(f"{prefix}.override_transformer_config.{name}: megatron-core's TransformerConfig "
-                                  f"has no field {name!r}{hint}")
+    for prefix, megatron in megatrons:
+        _refuse_unknown_fields(f"{prefix}.override_transformer_config", megatron.override_transformer_config,
+                               TransformerConfig)
 
 
 def validate_config(cfg: MegarlConfig) -> MegarlConfig:

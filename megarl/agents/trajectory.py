@@ -18,6 +18,8 @@ from typing import Optional
 
 import numpy as np
 
+from megarl.batch import UNKNOWN_EXPERT
+
 
 @dataclass
 class Trajectory:
@@ -60,7 +62,7 @@ class Trajectory:
         end = min(start + len(routed), len(self.prompt_ids) + len(self.response_ids) - 1)
         routed = routed[: max(0, end - start)]
         known = 0 if self.routed_experts is None else len(self.routed_experts)
-        merged = np.full((max(known, end), *routed.shape[1:]), -1, dtype=routed.dtype)
+        merged = np.full((max(known, end), *routed.shape[1:]), UNKNOWN_EXPERT, dtype=routed.dtype)
         if known:
             merged[:known] = self.routed_experts
         merged[start:end] = routed

@@ -3,7 +3,8 @@
 ``critic.enable`` (None: on exactly when the advantage estimator needs values, i.e. gae),
 ``actor.clip_ratio_low`` / ``clip_ratio_high`` (None: ``clip_ratio``), ``critic.use_sequence_packing`` (None:
 the actor's ``model.use_sequence_packing``), ``algorithm.rollout_correction.rollout_is`` (token-level TIS under
-``rollout.quantization=fp8`` unless rollout correction is configured; ``none``: none). Leaves out every check (:mod:`megarl.config.validate`).
+``rollout.quantization=fp8`` unless rollout correction is configured; ``none``: none), ``global_profiler.save_path``
+(``<trainer.default_local_dir>/profile``). Leaves out every check (:mod:`megarl.config.validate`).
 """
 
 from __future__ import annotations

@@ -306,15 +306,15 @@ class CriticWorker(MegatronRole):
         lora = block_lora(c.model.lora, "critic.model.lora")
         self._bring_up(cfg, c.megatron, c.model_path or cfg.actor_rollout_ref.model.path, lora=lora is not None)
         config = self._new_transformer_config()
+        self.replay_routing = c.megatron.router_replay.mode != "disabled"
         self.critic = CriticEngine(
             model_provider=self._provider(config, tie_embeddings=False), config=config,
             optimizer_config=megatron_optimizer_config(c.optim, c.megatron),
             lr_schedule=lr_schedule(c.optim, total_steps), ddp_config=ddp_config(c.megatron),
             micro_batch_size=c.ppo_micro_batch_size_per_gpu,
             micro_batching=MicroBatching(bool(c.use_sequence_packing), c.ppo_max_token_len_per_gpu),
-            lora=lora_spec(lora, seed=c.megatron.seed), routing_replay=c.megatron.router_replay.mode != "disabled",
+            lora=lora_spec(lora, seed=c.megatron.seed), routing_replay=self.replay_routing,
         )
-        self.replay_routing = c.megatron.router_replay.mode != "disabled"
         self._load_critic_trunk()
         self.update_arguments = critic_update_arguments(cfg, self.rank_info.dp_size)
 

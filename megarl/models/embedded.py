@@ -122,12 +122,12 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     spec = dict(spec)
     classifier = spec.pop("head", "lm") == "score"
     moe = spec.pop("family", "qwen2") == "qwen3_moe"
-    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM)
-    architecture = "Qwen3MoeForCausalLM" if moe else "Qwen2ForCausalLM"
+    config_class, model_class = ((Qwen2Config, Qwen2ForSequenceClassification) if classifier
+                                 else (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM))
     tokenizer = build_char_tokenizer()
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    config = (Qwen2Config if classifier else config_class)(
+    config = config_class(
         vocab_size=round_up_vocab(local_tokenizer_size()),
         rms_norm_eps=1e-6,
         hidden_act="silu",
@@ -138,14 +138,14 @@ def _write_model_dir(out: Path, spec: dict) -> None:
         pad_token_id=pad_id,
         dtype="float32",
         # vLLM picks the model class from this field; a bare config.save_pretrained does not fill it in.
-        architectures=["Qwen2ForSequenceClassification" if classifier else architecture],
+        architectures=[model_class.__name__],
         **({"num_labels": 1} if classifier else {}),
         **spec,
     )
     # fork_rng keeps the caller's global RNG stream untouched by our fixed seed.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(EMBEDDED_SEED + int(classifier))
-        model = (Qwen2ForSequenceClassification if classifier else model_class)(config).to(torch.float32)
+        model = model_class(config).to(torch.float32)
     config.save_pretrained(out)
     if moe:  # transformers fuses the experts in memory; its save writes them per expert, as checkpoints hold them
         model.save_pretrained(out)

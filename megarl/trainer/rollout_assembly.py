@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from megarl.batch import RolloutBatch
+from megarl.batch import UNKNOWN_EXPERT, RolloutBatch
 from megarl.data.dataset import PromptBatch
 
 
@@ -86,14 +86,15 @@ def assemble_rollout_batch(prompts: PromptBatch, responses: Sequence, *, group_i
 
 
 def _routed_experts_layout(responses: Sequence, width: int):
-    """``[rows, width, L_moe, K]`` int16 of -1 when the engine returned routing (every response or none)."""
+    """``[rows, width, L_moe, K]`` int16 of ``UNKNOWN_EXPERT`` when the engine returned routing (every response or
+    none)."""
     given = [getattr(out, "routed_experts", None) is not None for out in responses]
     if not any(given):
         return None
     if not all(given):
         raise ValueError(f"{given.count(False)} of {len(responses)} responses came without routed experts")
     _, layers, top_k = responses[0].routed_experts.shape
-    return torch.full((len(responses), width, layers, top_k), -1, dtype=torch.int16)
+    return torch.full((len(responses), width, layers, top_k), UNKNOWN_EXPERT, dtype=torch.int16)
 
 
 def prompts_of_rows(batch: RolloutBatch, rows: Sequence[int]) -> PromptBatch:

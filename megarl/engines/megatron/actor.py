@@ -144,7 +144,7 @@ class ActorEngine(_LogProbMixin, MegatronEngine):
         # the tokens it rejected out of the loss and out of its token counts
         fields += tuple(name for name in ("rollout_is_weights", "loss_mask") if getattr(batch, name) is not None)
         fields += ("teacher_log_probs",) if distillation is not None else ()
-        fields += self.routing_fields(batch, replay=replay_routing) if replay_routing else ()
+        fields += self.routing_fields(batch, replay=replay_routing, compare=False)
 
         names = ["pg_loss", "entropy", "loss", "pg_clipfrac_wsum", "pg_clipfrac_lower_wsum", "ppo_kl_wsum"]
         if use_kl_loss:

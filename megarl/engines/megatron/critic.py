@@ -76,7 +76,7 @@ class CriticEngine(MegatronEngine):
                        max_tokens: Optional[int] = None, replay_routing: bool = False) -> torch.Tensor:
         """Values ``[B, R]`` (fp32) for this DP shard, on every rank of the replica. ``replay_routing`` (MoE): the
         routers take ``batch.routed_experts``."""
-        fields = self.routing_fields(batch, replay=replay_routing) if replay_routing else ()
+        fields = self.routing_fields(batch, replay=replay_routing, compare=False)
         micro_batches = self.make_micro_batches(batch, fields, micro_batch_size=micro_batch_size,
                                                 max_tokens=max_tokens)
 
@@ -118,7 +118,7 @@ class CriticEngine(MegatronEngine):
                 }
             return loss
 
-        routing_fields = self.routing_fields(batch, replay=replay_routing) if replay_routing else ()
+        routing_fields = self.routing_fields(batch, replay=replay_routing, compare=False)
         with self.routing_pass(replay=replay_routing):
             steps = self.train_epochs(
                 batch, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,

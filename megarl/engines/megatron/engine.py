@@ -160,14 +160,15 @@ class MegatronEngine:
         finally:
             self.routing.finish()
 
-    def routing_fields(self, batch: TrainBatch, *, replay: bool = False, record: bool = False) -> tuple[str, ...]:
-        """The whole-sequence fields a pass needs: the batch's routing when replayed (or, by an engine that can,
-        compared), the token codes when recorded."""
+    def routing_fields(self, batch: TrainBatch, *, replay: bool = False, record: bool = False,
+                       compare: bool = True) -> tuple[str, ...]:
+        """The whole-sequence fields a pass needs: the batch's routing when replayed, or (``compare``, by an engine
+        that can) to count how often the routers choose otherwise; the token codes when recorded."""
         if replay and batch.routed_experts is None:
             raise ValueError("routing replay needs batch.routed_experts (the rollout engine's routing, "
                              "actor_rollout_ref.rollout.enable_rollout_routing_replay, or R2's recorded one)")
-        compares = self.routing is not None and batch.routed_experts is not None
-        return (("routed_experts",) if compares else ()) + (("token_codes",) if record else ())
+        carried = replay or (compare and self.routing is not None and batch.routed_experts is not None)
+        return (("routed_experts",) if carried else ()) + (("token_codes",) if record else ())
 
     @property
     def fixed_micro_batch_size(self) -> Optional[int]:

@@ -33,14 +33,14 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from megarl.batch import TrainBatch
+from megarl.batch import UNKNOWN_EXPERT, TrainBatch
 from megarl.models.context_parallel import local_positions
 
 # Fields laid out like the tokens (not like the responses): the MoE routing a batch replays
 # (:mod:`megarl.engines.megatron.routing_replay`), and ``token_codes`` (row * S + position of each token in
 # the batch shard) that lets what the routers record be put back into rows.
 SEQUENCE_FIELDS = ("routed_experts", "token_codes")
-NO_TOKEN = -1
+NO_TOKEN = UNKNOWN_EXPERT  # the routers read any entry < 0 as "nothing here", a code and an expert alike
 
 
 def plan_fixed_rows(num_rows: int, micro_batch_size: int) -> list[list[int]]:

@@ -30,9 +30,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from megarl.batch import UNKNOWN_EXPERT
 from megarl.engines.megatron.parallel import device_for_this_process
-
-UNKNOWN_EXPERT = -1
 
 
 class LayerReplay:
@@ -219,16 +218,16 @@ class RoutingReplay:
         # int32: NCCL reduces no int16
         out = torch.full((rows * seq_len, len(self.moe_layers), topk), UNKNOWN_EXPERT, dtype=torch.int32,
                          device=device)
-        per_chunk = self._chunk_layers.values()
-        for entries in per_chunk:
-            for ordinal, layer in entries:
-                if len(layer.recorded) != len(micro_batches):
-                    raise RuntimeError(f"routing replay: layer {layer.layer_number} recorded "
-                                       f"{len(layer.recorded)} forwards for {len(micro_batches)} micro-batches")
-                for mb, chosen in zip(micro_batches, layer.recorded):
-                    codes = self.router_layout(mb["token_codes"])
-                    real = codes >= 0
-                    out[codes[real], ordinal] = chosen[real].to(device, torch.int32)
+        layers = self._layers
+        for _, layer in layers:
+            if len(layer.recorded) != len(micro_batches):
+                raise RuntimeError(f"routing replay: layer {layer.layer_number} recorded "
+                                   f"{len(layer.recorded)} forwards for {len(micro_batches)} micro-batches")
+        for index, mb in enumerate(micro_batches):
+            codes = self.router_layout(mb["token_codes"])  # the same tokens for every router of the rank
+            real = codes >= 0
+            for ordinal, layer in layers:
+                out[codes[real], ordinal] = layer.recorded[index][real].to(device, torch.int32)
         # Sequence and context parallelism split the tokens, pipeline stages the layers: each entry was
         # written by exactly one rank of the replica, the others hold -1.
         for group in (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group()):

@@ -114,11 +114,13 @@ class HFRolloutEngine(RolloutEngine):
                              f"{type(self.model).__name__} has no routed experts")
         self._routing = [None] * len(gates)
 
-        def keep(index, module, args, output):
-            self._routing[index] = output[2]
+        def keeper(index: int):
+            def keep(module, args, output):
+                self._routing[index] = output[2]
+            return keep
 
         for index, gate in enumerate(gates):
-            gate.register_forward_hook(lambda module, args, output, index=index: keep(index, module, args, output))
+            gate.register_forward_hook(keeper(index))
 
     def _routed_this_step(self, rows: int, real: torch.Tensor) -> list[torch.Tensor]:
         """Per row, the expert ids ``[tokens, L_moe, K]`` of the real tokens of the last forward."""
