@@ -1,9 +1,10 @@
 """End-to-end GRPO throughput: megarl's trainer (Ray workers, Megatron actor, vLLM rollout, colocated) on a
-random-init Qwen2.5-shaped model, with fixed-length responses, and each stage against the same stage alone.
+random-init Qwen2.5-shaped (or Qwen3-MoE-shaped) model, with fixed-length responses, and each stage against the same
+stage alone.
 
 What it does, in one process (the driver):
 
-1. writes the model (HF safetensors, bf16, random init of ``bench.shapes.qwen2_config(--shape)``), a word-level
+1. writes the model (HF safetensors, bf16, random init of ``bench.shapes.model_config(--shape, layers=--layers)``), a word-level
    tokenizer covering the whole vocabulary (``w<id>`` words, so any sampled id decodes) and a parquet file
    of ``--prompt-len``-token prompts (``data.apply_chat_template=false``);
 2. runs ``megarl.trainer.main.run`` for ``--steps`` steps: ``--prompts`` prompts x ``rollout.n`` responses of
@@ -11,7 +12,8 @@ What it does, in one process (the driver):
    per step (``ppo_mini_batch_size = --prompts``), no reference/KL (plain GRPO), vLLM with CUDA graphs and
    sleep mode; the first step is warm-up and left out of the means;
 3. ``--gen-alone``: after the run (Ray and its GPU memory gone), the same prompts and sampling through a
-   plain ``vllm.LLM`` (its own engine-core process, CUDA graphs): vLLM's generation alone.
+   plain ``vllm.LLM`` (its own engine-core process, CUDA graphs): vLLM's generation alone. ``--gen-only`` runs
+   this step and nothing else, ``--quantization fp8`` has vLLM quantize the weights at load (FP8 beside bf16).
 
 Reported (JSON to ``--out`` and a table on stdout): per-stage seconds (mean of the steady steps), tokens/s/GPU
 in verl's definition (``perf/throughput``: prompt + response tokens of the step / step seconds / GPUs),
@@ -31,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.shapes import qwen2_config
+from bench.shapes import SHAPES, model_config
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "step")
 
@@ -130,7 +132,7 @@ def generate_alone(args, work: Path) -> dict:
     prompts = [TokensPrompt(prompt_token_ids=tokenizer(t)["input_ids"]) for t in texts]
     llm = LLM(model=str(work / "model"), tokenizer=str(work / "tok"), dtype="bfloat16",
               gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=args.prompt_len + args.response_len, seed=0,
+              max_model_len=args.prompt_len + args.response_len, seed=0, quantization=args.quantization,
               load_format="dummy" if args.random_init else "auto")  # --random-init wrote no weights
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_len, ignore_eos=True, logprobs=0,
                             detokenize=False)
@@ -142,7 +144,8 @@ def generate_alone(args, work: Path) -> dict:
         times.append(time.perf_counter() - start)
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     llm.llm_engine.engine_core.shutdown()
-    return {"gen_alone_s": min(times), "gen_alone_output_tok_s": tokens / min(times), "gen_alone_tokens": tokens}
+    return {"gen_alone_s": min(times), "gen_alone_output_tok_s": tokens / min(times), "gen_alone_tokens": tokens,
+            "gen_alone_quantization": args.quantization}
 
 
 def format_table(result: dict) -> str:
@@ -156,7 +159,10 @@ def format_table(result: dict) -> str:
     lines += ["", f"tokens/s/GPU (verl's perf/throughput): {means.get('perf/throughput', float('nan')):,.0f}",
               f"weight sync: {means.get('weight_sync/bytes', 0) / 1e9:.2f} GB at "
               f"{means.get('weight_sync/gb_per_s', float('nan')):.1f} GB/s",
-              f"rollout/log_prob_diff_mean {means.get('rollout/log_prob_diff_mean', float('nan')):.4f}"]
+              f"rollout/log_prob_diff_mean {means.get('rollout/log_prob_diff_mean', float('nan')):.4f}, "
+              f"max {means.get('rollout/log_prob_diff_max', float('nan')):.4f}"]
+    if "routing/rollout_mismatch_frac" in means:
+        lines.append(f"routing/rollout_mismatch_frac {means['routing/rollout_mismatch_frac']:.4f}")
     if "gen_alone_s" in result:
         lines.append(f"gen alone (plain vLLM): {result['gen_alone_s']:.2f} s; gen in the trainer / alone: "
                      f"{means['timing_s/gen'] / result['gen_alone_s']:.2f}")
@@ -165,7 +171,8 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="0.5b")
+    parser.add_argument("--shape", default="0.5b", choices=SHAPES)
+    parser.add_argument("--layers", type=int, help="keep the shape's per-layer sizes, this many layers")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -175,6 +182,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--kl", action="store_true", help="reference model + low_var_kl loss")
     parser.add_argument("--gen-alone", action="store_true")
+    parser.add_argument("--gen-only", action="store_true", help="plain vLLM's generation only, no trainer")
+    parser.add_argument("--quantization", help="plain vLLM's weight quantization (fp8), with --gen-alone/--gen-only")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--random-init", action="store_true",
                         help="no weights on disk: config.json only, megatron's random init, vLLM dummy weights")
@@ -187,8 +196,9 @@ def main(argv=None) -> dict:
     from megarl.run_config import load_config
     from megarl.trainer.main import run
 
-    hf_cfg = qwen2_config(args.shape)
-    work = Path(args.work) / (args.shape + ("_random" if args.random_init else ""))
+    hf_cfg = model_config(args.shape, layers=args.layers)
+    name = args.shape + (f"_{args.layers}l" if args.layers else "")
+    work = Path(args.work) / (name + ("_random" if args.random_init else ""))
     if not (work / "model" / "config.json").is_file():
         write_model(work / "model", hf_cfg, args.device, weights=not args.random_init)
         write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"])
@@ -196,11 +206,18 @@ def main(argv=None) -> dict:
                   vocab_size=hf_cfg["vocab_size"])
     if args.prepare_only:
         return {}
+    if args.gen_only:
+        result = {"shape": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+                  "response_len": args.response_len, **generate_alone(args, work)}
+        print(json.dumps(result), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return result
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
                       overrides=trainer_overrides(args, work))
     start = time.perf_counter()
     history = run(cfg)
-    result = {"shape": args.shape, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+    result = {"shape": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
               "response_len": args.response_len, "steps": args.steps, "wall_s": time.perf_counter() - start,
               "history": history, "steady": steady_means(history)}
     if args.gen_alone:

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|lora
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
 # (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host;
 #  GEN_ALONE=1 (big, lora, e2e) adds plain vLLM's generation of the same prompts after the run; EXTRA adds trainer
 #  overrides and TAG a suffix to the result's name: FP8 rollout beside bf16 is
 #  `bash bench/run_device.sh big; EXTRA=actor_rollout_ref.rollout.quantization=fp8 TAG=_fp8 bash bench/run_device.sh big`)
+# (moe: vLLM's routing GPU test, then MoE GRPO (Qwen3-30B-A3B sizes, $LAYERS layers) per router replay mode
+#  in $REPLAY; needs the --keep-moe vLLM stage. gen: plain vLLM's generation of big's prompts, bf16 and FP8, at
+#  $MODELS: `MODELS=7b,30b-a3b bash bench/run_device.sh gen`)
 # (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
 #  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
@@ -81,24 +84,46 @@ elif [ "$MODE" = e2e ]; then  # bench/e2e_grpo.py for $MODELS (default 0.5b), vL
       --n 8 --prompt-len 512 --response-len "${RESPONSE_LEN:-1024}" --steps "${STEPS:-4}" ${GEN_ALONE:+--gen-alone} \
       --out "$OUT/e2e_$model.json"
   done
-elif [ "$MODE" = big ]; then  # GRPO at $MODELS (default 7b) on one GPU, random init (no weights on disk)
+elif [ "$MODE" = big ] || [ "$MODE" = moe ]; then  # GRPO at $MODELS (default 7b) on one GPU, random init (no weights on disk)
   # The optimizer's fp32 state lives on the host in part (megatron's HybridDeviceOptimizer), sized to the card:
   # the device keeps bf16 params (+ grads while training) and 1 - fraction of Adam's state, vLLM the rest.
+  # moe: the Qwen3-30B-A3B shape cut to $LAYERS layers (default 8, 5.6B parameters), once per router replay
+  # mode in $REPLAY (default disabled,R3,R2); the rollout returns its routing in every mode, for the metric.
   GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
   if [ "$GIB" -lt 100 ]; then FRACTION=${FRACTION:-0.75}; UTIL=${UTIL:-0.42}; FP32_GRADS=${FP32_GRADS:-false}
   else FRACTION=${FRACTION:-0.5}; UTIL=${UTIL:-0.45}; FP32_GRADS=${FP32_GRADS:-true}; fi
   O=actor_rollout_ref.actor
-  for model in $(echo "${MODELS:-7b}" | tr , ' '); do
-    step "e2e_$model" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" --random-init \
+  OFFLOAD="$O.megatron.recompute_granularity=full $O.megatron.grad_offload=true
+    $O.megatron.use_distributed_optimizer=true $O.megatron.override_ddp_config.grad_reduce_in_fp32=$FP32_GRADS
+    $O.optim.override_optimizer_config.optimizer_cpu_offload=true
+    $O.optim.override_optimizer_config.optimizer_offload_fraction=$FRACTION
+    $O.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d=true
+    $O.optim.override_optimizer_config.use_precision_aware_optimizer=true"
+  if [ "$MODE" = big ]; then RUNS=$(echo "${MODELS:-7b}" | tr , ' ')
+  else
+    [ "${SKIP_TESTS:-0}" = 1 ] || step routing_cuda_test timeout 300 python3 -m pytest tests/gpu/test_vllm_routing_cuda.py \
+      -q -rs -p no:cacheprovider
+    RUNS=$(echo "${REPLAY:-disabled,R3,R2}" | tr , ' ')
+  fi
+  for run in $RUNS; do
+    if [ "$MODE" = big ]; then SHAPE="--shape $run"; NAME=$run; KNOBS=""
+    else SHAPE="--shape 30b-a3b --layers ${LAYERS:-8}"; NAME=moe_$run
+      KNOBS="actor_rollout_ref.rollout.enable_rollout_routing_replay=true $O.megatron.router_replay.mode=$run"; fi
+    step "e2e_$NAME" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo $SHAPE --random-init \
       --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
       --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" ${GEN_ALONE:+--gen-alone} \
-      --out "$OUT/e2e_$model${TAG:-}.json" $O.megatron.recompute_granularity=full $O.megatron.grad_offload=true \
-      $O.megatron.use_distributed_optimizer=true \
-      $O.megatron.override_ddp_config.grad_reduce_in_fp32=$FP32_GRADS \
-      $O.optim.override_optimizer_config.optimizer_cpu_offload=true \
-      $O.optim.override_optimizer_config.optimizer_offload_fraction=$FRACTION \
-      $O.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d=true \
-      $O.optim.override_optimizer_config.use_precision_aware_optimizer=true ${EXTRA:-}
+      --out "$OUT/e2e_$NAME${TAG:-}.json" $OFFLOAD $KNOBS ${EXTRA:-}
+  done
+elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; "30b-a3b" cut to $LAYERS), bf16 then FP8
+  for model in $(echo "${MODELS:-7b}" | tr , ' '); do
+    LAYER_ARGS=""; [ "$model" = 30b-a3b ] && LAYER_ARGS="--layers ${LAYERS:-8}"
+    for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do
+      QUANT_ARG=""; [ "$quant" = bf16 ] || QUANT_ARG="--quantization $quant"
+      step "gen_${model}_$quant" timeout "${GEN_TIMEOUT:-400}" python3 -m bench.e2e_grpo --shape "$model" $LAYER_ARGS \
+        --random-init --gen-only $QUANT_ARG \
+        --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
+        --gpu-memory-utilization "${UTIL:-0.85}" --out "$OUT/gen_${model}_$quant.json"
+    done
   done
 elif [ "$MODE" = lora ]; then  # LoRA GRPO at $MODELS (default: 14b on an 80 GB card, 32b on a 141 GB one), random init
   # The frozen bf16 base leaves the device while vLLM generates (param_offload); the adapters and their Adam
@@ -137,5 +162,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || [ "$MODE" = moe ] || [ "$MODE" = gen ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

@@ -1,7 +1,9 @@
-"""Qwen2-shaped benchmark models (HF config dicts) and the FLOP count used for MFU.
+"""Benchmark models (HF config dicts) and the FLOP count used for MFU.
 
 ``qwen2_config(name)`` gives the HF config dict of a Qwen2.5-shaped model ("0.5b", "1.5b", "7b", "14b", "32b", or "tiny"
-for CPU dry runs) with random weights implied: nothing is downloaded. ``matmul_params`` counts the
+for CPU dry runs) with random weights implied: nothing is downloaded. ``model_config(name, layers=)`` adds the MoE
+shapes ("30b-a3b": Qwen3-30B-A3B's per-layer sizes, 128 experts of which 8 per token; "tiny-moe" for CPU dry runs),
+whose depth a benchmark cuts to what one GPU holds. ``matmul_params`` counts the
 parameters that take part in a matrix product per token (every linear layer plus the output projection,
 which is a matmul even when tied to the embedding; the embedding lookup is not). ``train_flops_per_token``
 is the FLOP formula every benchmark here states:
@@ -54,6 +56,40 @@ def qwen2_config(name: str, **overrides: Any) -> dict[str, Any]:
     return {**_QWEN2_COMMON, **_SHAPES[name], **overrides}
 
 
+_QWEN3_MOE_COMMON = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+                         max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
+                         attention_bias=False, tie_word_embeddings=False, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[], torch_dtype="bfloat16", bos_token_id=151643, eos_token_id=151645,
+                         initializer_range=0.02)
+
+# Published Qwen3-MoE shapes; every layer is an MoE layer (no dense MLP), no shared expert.
+_MOE_SHAPES = {
+    "30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                    num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                    head_dim=128),
+    "tiny-moe": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                     num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, vocab_size=1024, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2),
+}
+
+SHAPES = tuple(_SHAPES) + tuple(_MOE_SHAPES)
+
+
+def model_config(name: str, *, layers: int | None = None, **overrides: Any) -> dict[str, Any]:
+    """Any benchmark shape, dense or MoE; ``layers`` keeps the per-layer sizes and cuts (or grows) the depth."""
+    if name in _MOE_SHAPES:
+        cfg = {**_QWEN3_MOE_COMMON, **_MOE_SHAPES[name], **overrides}
+    elif name in _SHAPES:
+        cfg = qwen2_config(name, **overrides)
+    else:
+        raise ValueError(f"unknown benchmark model {name!r}; choose from {sorted(SHAPES)}")
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
 def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
     hidden, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -61,19 +97,32 @@ def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
     return hidden, ffn, layers, heads, kv_heads, head_dim, cfg["vocab_size"]
 
 
+def _mlp_params(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(parameters a token multiplies by, parameters stored) of one layer's MLP: an MoE layer's token goes
+    through its top-k experts and the router, and the layer stores all of its experts."""
+    hidden, ffn = cfg["hidden_size"], cfg["intermediate_size"]
+    if "num_experts" not in cfg:
+        return 3 * hidden * ffn, 3 * hidden * ffn
+    expert, experts = 3 * hidden * cfg["moe_intermediate_size"], cfg["num_experts"]
+    router = hidden * experts
+    return cfg["num_experts_per_tok"] * expert + router, experts * expert + router
+
+
 def matmul_params(cfg: dict[str, Any]) -> int:
     hidden, ffn, layers, heads, kv_heads, head_dim, vocab = _dims(cfg)
     attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
-    mlp = 3 * hidden * ffn
-    return layers * (attn + mlp) + vocab * hidden
+    return layers * (attn + _mlp_params(cfg)[0]) + vocab * hidden
 
 
 def total_params(cfg: dict[str, Any]) -> int:
     """All parameters as the model stores them (tied embedding counted once; biases and norms included)."""
     hidden, ffn, layers, heads, kv_heads, head_dim, vocab = _dims(cfg)
-    qkv_bias = heads * head_dim + 2 * kv_heads * head_dim  # Qwen2 has q/k/v biases
+    if cfg["model_type"] == "qwen2":
+        extra = heads * head_dim + 2 * kv_heads * head_dim  # Qwen2's q/k/v biases
+    else:
+        extra = 2 * head_dim  # Qwen3's q/k norms, no biases
     per_layer = (hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
-                 + qkv_bias + 3 * hidden * ffn + 2 * hidden)
+                 + extra + _mlp_params(cfg)[1] + 2 * hidden)
     embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
     return layers * per_layer + embeddings + hidden
 
