@@ -314,7 +314,7 @@ def check_config(cfg: MegarlConfig) -> None:
         raise ConfigError(f"trainer.backend=inprocess runs one rank; trainer.nnodes x trainer.n_gpus_per_node = "
                           f"{world_size(cfg)}")
     for i, name in enumerate(t.logger):
-        check_choice(name, ("console", "tensorboard", "jsonl"), f"trainer.logger[{i}]")
+        check_choice(name, ("console", "tensorboard", "jsonl", "wandb", "mlflow", "swanlab"), f"trainer.logger[{i}]")
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "actor_rollout_ref.rollout.n", "trainer.nnodes", "trainer.n_gpus_per_node"):
         node = cfg

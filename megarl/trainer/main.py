@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 from megarl.config import MegarlConfig
 from megarl.run_config import load_config
-from megarl.config.loader import given_keys
+from megarl.config.loader import given_keys, to_dict
 from megarl.config.paths import with_absolute_paths
 from megarl.config.verl_keys import defaulted_usual_keys
 from megarl.engines.megatron.expected_warnings import explanation, hide_expected_warnings
@@ -125,9 +125,11 @@ def run(cfg: MegarlConfig) -> list[dict]:
     from megarl.models.embedded import resolve_model_path
     from megarl.trainer.checkpoint import CheckpointManager
     from megarl.trainer.metrics import MetricsLogger
+    from megarl.trainer.trackers import check_trackers_installed, open_trackers
 
     cfg = with_absolute_paths(cfg, Path.cwd())  # the workers' working directories differ from the driver's
     t = cfg.trainer
+    check_trackers_installed(t.logger)  # before minutes of data loading, not after
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
@@ -152,7 +154,8 @@ def run(cfg: MegarlConfig) -> list[dict]:
         note = explanation()
         if note is not None:
             print(f"  note:        {note}", flush=True)
-        logger = MetricsLogger(t.logger, out_dir)
+        logger = MetricsLogger(t.logger, out_dir, trackers=open_trackers(
+            t.logger, project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg), log_dir=out_dir))
         workers = start_workers(cfg, total_steps=total_steps)
         workers.profiler = cfg.global_profiler
         if tools is not None:  # every response a conversation with the tools (validation's too)

@@ -1,4 +1,5 @@
-"""Where training metrics go: console, TensorBoard event files, and a JSONL file (one line per step).
+"""Where training metrics go: console, TensorBoard event files, a JSONL file (one line per step), and the
+experiment trackers of megarl.trainer.trackers (wandb, mlflow, swanlab) opened by the caller.
 
 ``MetricsLogger.log(metrics, step)`` fans a flat ``{"group/name": float}`` dict out to every backend
 asked for. It also holds the per-stage timer used by the loop. It does not compute metrics.
@@ -12,9 +13,11 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from tqdm import tqdm
+
+from megarl.trainer.trackers import Tracker
 
 CONSOLE_KEYS = (
     "critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/entropy", "actor/ppo_kl",
@@ -35,8 +38,9 @@ def _plain(value):
 
 
 class MetricsLogger:
-    def __init__(self, backends: Iterable[str], log_dir: str | Path, *, stream=None):
+    def __init__(self, backends: Iterable[str], log_dir: str | Path, *, stream=None, trackers: Sequence[Tracker] = ()):
         self.backends = list(backends)
+        self.trackers = list(trackers)
         self.log_dir = Path(log_dir)
         self.stream = stream or sys.stdout
         self._tb = None
@@ -62,6 +66,8 @@ class MetricsLogger:
             self._tb.flush()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **flat}) + "\n")
+        for tracker in self.trackers:
+            tracker.log(flat, step)
         if "console" in self.backends:
             shown = [f"{_console_name(k)}={flat[k]:.4g}" for k in CONSOLE_KEYS if k in flat]
             # tqdm.write keeps the line and a live progress bar from overwriting each other.
@@ -69,10 +75,12 @@ class MetricsLogger:
             self.stream.flush()
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
-        """Rows of text to the loggers that show tables: TensorBoard's text tab (a markdown table) and
-        ``<log_dir>/<name>.jsonl`` (one line per call: the step and its rows)."""
+        """Rows of text to the loggers that show tables: TensorBoard's text tab (a markdown table),
+        ``<log_dir>/<name>.jsonl`` (one line per call: the step and its rows) and the trackers."""
         if not rows:
             return
+        for tracker in self.trackers:
+            tracker.log_table(name, rows, step)
         if self._tb is not None:
             columns = list(rows[0])
 
@@ -100,6 +108,9 @@ class MetricsLogger:
         self._jsonl = open(self.jsonl_path, "a", buffering=1)
 
     def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -81,7 +81,7 @@ def test_overrides_are_typed(tmp_path):
     ("data.max_prompt_length=null", r"data.max_prompt_length: null is not allowed"),
     ("algorithm.adv_estimator=ppo", r"algorithm.adv_estimator='ppo' is not one of"),
     ("algorithm.adv_estimator=gae critic.enable=false", None),
-    ("trainer.logger=[console,wandb]", r"trainer.logger\[1\]='wandb'"),
+    ("trainer.logger=[console,comet]", r"trainer.logger\[1\]='comet'"),
     ("data.train_batch_size=10", r"data.train_batch_size=10 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=16"),
     ("actor_rollout_ref.rollout.n=1", r"needs actor_rollout_ref.rollout.n >= 2"),
     ("trainer.n_gpus_per_node=3", r"not divisible|cannot be split"),
