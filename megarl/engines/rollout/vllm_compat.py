@@ -77,10 +77,12 @@ def in_process_engine_env(local_device_index: Optional[int]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def routed_experts_env(enabled: bool) -> Iterator[None]:
-    """While an ``LLM`` that returns routed experts is built: vLLM serves them through its aux-output connector,
-    which needs its V2 model runner (asked for by ``VLLM_USE_V2_MODEL_RUNNER``; read at construction only)."""
+    """While an ``LLM`` that returns routed experts is built. vLLM 0.32 serves them through its aux-output
+    connector, which needs its V2 model runner (asked for by ``VLLM_USE_V2_MODEL_RUNNER``; read at construction
+    only); vLLM 0.26 captures them in its V1 runner and refuses V2 ("Model Runner V2 does not yet support: routed
+    experts capture", seen on the H100 on 2026-12-06). Versions between were not tried: they get 0.32's way."""
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if enabled:
+    if enabled and vllm_version() > (0, 26):
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     try:
         yield

@@ -64,7 +64,14 @@ def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> 
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-        return {name: tuple(param.shape) for name, param in model.state_dict().items()
+        state = model.state_dict()
+        try:  # transformers 5 fuses some tensors in memory (MoE experts); a checkpoint, and the sync, name them apart
+            from transformers.core_model_loading import revert_weight_conversion
+
+            state = revert_weight_conversion(model, state)
+        except ImportError:  # transformers 4: in memory as on disk
+            pass
+        return {name: tuple(param.shape) for name, param in state.items()
                 if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model dir {model_path!r}")
