@@ -10,6 +10,7 @@ from megarl.config.schema import MegarlConfig, MegatronConfig
 from megarl.controller.dispatch import DPInfo
 from megarl.controller.engine_specs import DTYPES, transformer_overrides
 from megarl.controller.profiling import ProfiledWorker
+from megarl.controller.debugging import collective_timeout_s
 from megarl.controller.worker_env import init_torch_distributed
 from megarl.engines.megatron.parallel import initialize_megatron_parallel
 from megarl.models.bridge import unwrap_model
@@ -29,7 +30,7 @@ class MegatronRole(ProfiledWorker):
         from megarl.models.embedded import resolve_model_path
 
         self.cfg = cfg
-        self.context = init_torch_distributed(timeout_s=cfg.trainer.worker_timeout_s)
+        self.context = init_torch_distributed(timeout_s=collective_timeout_s(cfg.trainer.worker_timeout_s))
         self.layout = ParallelLayout.from_megatron_config(megatron)
         self.rank_info = initialize_megatron_parallel(layout=self.layout, seed=megatron.seed)
         self.model_path = str(resolve_model_path(model_path))

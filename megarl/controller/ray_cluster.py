@@ -12,16 +12,23 @@ one started by `ray start` (multi-node, see `launch/`). Workers get, through the
   A forwarded driver variable (e.g. NCCL_NVLS_ENABLE=1) wins over these defaults; `extra_env` wins over both.
 
 Debugging worker code: Ray routes `breakpoint()` inside actors to its own debugger (it sets PYTHONBREAKPOINT
-in every worker). Choose the flavour with `init_ray(debug=...)` or the MEGARL_RAY_DEBUG variable on the driver:
+in every worker). Turn it on with MEGARL_RAY_DEBUG on the driver, or Ray's own RAY_DEBUG (and
+RAY_DEBUG_POST_MORTEM), which the driver forwards to the workers (Ray's defaults do not reach the workers of a
+`ray start` cluster); `init_ray(debug=...)` wins over both:
 
-- "debugpy" (Ray's default, RAY_DEBUG=1): the worker waits for the "Ray Distributed Debugger" VS Code
-  extension to attach; needs `pip install debugpy` on the workers.
-- "legacy" (RAY_DEBUG=legacy): pdb over a socket; run `ray debug` in a shell on the head node, pick the
-  breakpoint, and you get a pdb prompt in the worker (with several ranks, each rank's breakpoint is listed).
-- add `debug_post_mortem=True` (RAY_DEBUG_POST_MORTEM=1) to drop into the debugger when a worker method raises.
+- "debugpy" (RAY_DEBUG=1): the worker prints "Ray debugger is listening on <ip>:<port>" and waits for a DAP
+  client: VS Code's "Ray Distributed Debugger" extension (it finds breakpoints through the Ray dashboard, which
+  a cluster megarl starts then runs, at the address printed), or any DAP client attached to that port.
+  Needs debugpy on the workers (`pip install -e '.[debug]'`).
+- "legacy" (RAY_DEBUG=legacy): pdb over a socket; run `ray debug --address <gcs>` in a shell on the head node,
+  pick the breakpoint, and you get a pdb prompt in the worker (with several ranks, each rank's breakpoint).
+- `debug_post_mortem=True` (RAY_DEBUG_POST_MORTEM=1) drops into the debugger when a worker method raises.
 
-While a rank sits at a breakpoint the other ranks wait in their next collective and the driver's call
-timeout keeps running: pass `timeout_s=None` to the call (or a large `call_timeout_s`) while debugging.
+While a rank sits at a breakpoint, its call's watchdog waits and the collectives of its peers do not time out
+(megarl.controller.debugging). `MEGARL_BREAK_AT=<method>[:<rank>]` stops before a worker method without editing
+code. When no address is given and a cluster is already running on this machine (`ray start --head`), the
+driver attaches to it instead of failing on Ray's "num_cpus ... must not be provided" (RAY_ADDRESS=local: start
+a private one).
 Leaves out: cluster launching (`launch/`, `slurm/`) and resource pools (`resource_pool.py`).
 """
 
@@ -52,6 +59,34 @@ def megarl_source_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
+def debug_mode(debug: str | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """"off", "debugpy" or "legacy": ``debug`` if given, else MEGARL_RAY_DEBUG, else Ray's own RAY_DEBUG
+    ("1" debugpy, "legacy"; "0" off) as the person set it on the driver."""
+    source = os.environ if environ is None else environ
+    if debug is not None:
+        mode, origin = debug, "debug="
+    elif source.get(DEBUG_ENV):
+        mode, origin = source[DEBUG_ENV], DEBUG_ENV
+    else:
+        ray_value = source.get("RAY_DEBUG", "0")
+        mode = {"0": "off", "1": "debugpy", "legacy": "legacy"}.get(ray_value, ray_value)
+        origin = "RAY_DEBUG"
+    if mode not in DEBUG_MODES:
+        raise ValueError(f"debug mode {mode!r} (from {origin}) is not one of {sorted(DEBUG_MODES)}")
+    return mode
+
+
+def running_cluster_address() -> str | None:
+    """The Ray cluster Ray itself would attach to with no address (RAY_ADDRESS, else the last `ray start` on this
+    machine, if it still runs), or None."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        return canonicalize_bootstrap_address(None)
+    except (ConnectionError, ValueError):  # a stale `ray start` record: nothing to attach to
+        return None
+
+
 def build_worker_env(
     *,
     extra_env: Mapping[str, str] | None = None,
@@ -66,13 +101,10 @@ def build_worker_env(
     for name, value in source.items():
         if name.startswith(FORWARDED_ENV_PREFIXES) and name not in NEVER_FORWARDED:
             env[name] = value
-    mode = debug if debug is not None else source.get(DEBUG_ENV, "off")
-    if mode not in DEBUG_MODES:
-        raise ValueError(f"debug mode {mode!r} (from {'debug=' if debug is not None else DEBUG_ENV}) "
-                         f"is not one of {sorted(DEBUG_MODES)}")
+    mode = debug_mode(debug, source)
     if DEBUG_MODES[mode] is not None:
         env["RAY_DEBUG"] = DEBUG_MODES[mode]
-    if debug_post_mortem:
+    if debug_post_mortem or source.get("RAY_DEBUG_POST_MORTEM") == "1":
         env["RAY_DEBUG_POST_MORTEM"] = "1"
     paths = [megarl_source_root(), *[str(Path(p).resolve()) for p in extra_pythonpath]]
     if source.get("PYTHONPATH"):
@@ -111,9 +143,13 @@ def init_ray(
     merged_runtime_env = dict(runtime_env or {})
     worker_env.update(merged_runtime_env.pop("env_vars", {}) or {})
     merged_runtime_env["env_vars"] = worker_env
-    ray_init_kwargs.setdefault("include_dashboard", False)
-    ray.init(address=address, num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=merged_runtime_env,
-             **ray_init_kwargs)
+    debugging = "RAY_DEBUG" in worker_env
+    ray_init_kwargs.setdefault("include_dashboard", debugging)  # VS Code's Ray debugger finds breakpoints there
+    context = ray.init(address=address, num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=merged_runtime_env,
+                       **ray_init_kwargs)
+    if debugging:
+        print(f"[megarl] worker debugging on (RAY_DEBUG={worker_env['RAY_DEBUG']}); Ray dashboard: "
+              f"{getattr(context, 'dashboard_url', None) or 'none on this cluster'}", flush=True)
     if address is None:  # this process owns the cluster: nothing of it may outlive a SIGKILL of this process
         start_orphan_reaper()
     return worker_env

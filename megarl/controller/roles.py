@@ -323,15 +323,19 @@ def start_workers(cfg: MegarlConfig, *, total_steps: int) -> Workers:
 
     import ray
 
-    from megarl.controller.ray_cluster import init_ray
+    from megarl.controller.ray_cluster import init_ray, running_cluster_address
     from megarl.controller.resource_pool import ResourcePool
     from megarl.controller.worker_group import WorkerGroup
 
     workers = Workers(actor=None, rollout=None)  # filled below; shut down if anything fails on the way
     try:
         if not ray.is_initialized():
-            if t.ray_address:  # attach first: the cluster's nodes, not this driver, hold the GPUs
-                init_ray(t.ray_address, extra_env=worker_env_for(t.device))
+            address = t.ray_address or running_cluster_address()
+            if address and not t.ray_address:
+                print(f"[megarl] trainer.ray_address is unset and a Ray cluster runs here ({address}, from `ray start` "
+                      f"or RAY_ADDRESS): attaching to it (RAY_ADDRESS=local starts a private one)", flush=True)
+            if address:  # attach first: the cluster's nodes, not this driver, hold the GPUs
+                init_ray(address, extra_env=worker_env_for(t.device))
             else:
                 init_ray(None, num_cpus=max(4, t.n_gpus_per_node * 2), extra_env=worker_env_for(resolve_device(cfg)))
             workers.started_ray = True

@@ -39,6 +39,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from megarl.controller.debugging import break_requested, sits_at_breakpoint
 from megarl.controller.device_oom import DeviceOutOfMemory, naming_out_of_memory
 from megarl.controller.profiling import stage_range
 from megarl.controller.dispatch import (
@@ -147,6 +148,8 @@ class _WorkerHost:
             self._worker = self._worker_cls(*args, **kwargs)
 
     def execute(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        if break_requested(method_name, self._rank):
+            breakpoint()  # MEGARL_BREAK_AT (megarl.controller.debugging): step into the call below
         with naming_out_of_memory(method_name, self._rank), stage_range(method_name):
             return getattr(self._worker, method_name)(*args, **kwargs)
 
@@ -218,6 +221,9 @@ class PendingCall:
             if failures:
                 raise self.group._fail(self.method, failures, pending)
             if deadline is not None and time.monotonic() > deadline:
+                if self.group._at_breakpoint(sorted(pending.values()), self.method) is not None:
+                    deadline = time.monotonic() + limit
+                    continue
                 raise TimeoutError(f"{what} did not finish within {limit:.0f}s (trainer.worker_timeout_s)")
 
 
@@ -369,9 +375,13 @@ class RankCaller:
                 raise self._fail(method, failures, pending)
             if pending and deadline is not None and time.monotonic() >= deadline:
                 pending_ranks = sorted(pending.values())
+                stacks = self._at_breakpoint(pending_ranks, method)
+                if stacks is None:
+                    deadline = time.monotonic() + timeout_s  # type: ignore[operator]
+                    continue
                 self._broken = f"{method}() timed out on ranks {pending_ranks}"
                 raise CallTimeoutError(self.name, pending_ranks, method, float(timeout_s),  # type: ignore[arg-type]
-                                       self._dump_stacks(pending_ranks), self.worker_infos)
+                                       stacks, self.worker_infos)
         return [results[rank] for rank in ranks]
 
     def _fail(self, method: str, failures: dict[int, RayError], pending: dict[ray.ObjectRef, int],
@@ -451,6 +461,17 @@ class RankCaller:
         else:
             text = f"{type(err).__name__}: {err}"
         return text.splitlines()[0][:300] if text else type(err).__name__
+
+    def _at_breakpoint(self, pending_ranks: list[int], method: str) -> dict[int, str] | None:
+        """At a call's deadline: None when a pending rank sits at a debugger breakpoint (a person stepping
+        through it, not a hang: the caller waits another period), else the pending ranks' stacks for the report."""
+        stacks = self._dump_stacks(pending_ranks)
+        paused = [rank for rank, stack in stacks.items() if sits_at_breakpoint(stack)]
+        if not paused:
+            return stacks
+        print(f"[megarl] {self.name}.{method}(): rank(s) {paused} sit at a debugger breakpoint; the call's "
+              f"watchdog (trainer.worker_timeout_s) waits on", flush=True)
+        return None
 
     def _dump_stacks(self, ranks: list[int], timeout_s: float = 15.0) -> dict[int, str]:
         """Best effort: ask faulthandler in each pending rank for its stacks (via a task on its node)."""

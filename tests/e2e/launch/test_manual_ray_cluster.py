@@ -10,6 +10,7 @@ nothing under the directories the nodes were started in.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -61,6 +62,14 @@ def test_hand_started_two_node_cluster_with_token_auth_trains_and_checkpoints_on
         assert any((checkpoint / "actor").rglob("*")), "the actor's shards are not in the committed checkpoint"
         for node_dir in (head_dir, worker_dir):
             assert list(node_dir.iterdir()) == [], f"files written where a Ray node was started: {node_dir}"
+        # no trainer.ray_address, the cluster known from the environment (as after `ray start` on this machine):
+        # the driver attaches to it, where Ray alone refuses ("num_cpus ... must not be provided")
+        plain = subprocess.run(
+            [sys.executable, "-m", "megarl.trainer.main", "--config", str(driver_dir / "tiny.yaml"),
+             "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'plain'}"],
+            cwd=REPO, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=300)
+        assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+        assert re.search(rf"a Ray cluster runs here \([\d.]+:{port}, .*\): attaching to it", plain.stdout), plain.stdout
     finally:
         markers = [ray_tmp, f":{port}"]
         for sig, grace in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
