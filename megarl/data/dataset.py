@@ -6,6 +6,8 @@ Columns (one row per prompt):
     reward_model  struct with `ground_truth` (required) and optional `style`
     data_source   optional str, selects the reward function
     extra_info    optional struct, map or JSON string; passed through to the reward function
+    images        optional list of {bytes, path} per row (megarl.data.images; verl's multimodal layout), one
+                  `<image>` placeholder in the prompt per image; read only with allow_images=True
 
 `RLDataset` tokenizes everything up front so overlong prompts are found (and reported) before training starts.
 `collate_prompts` gathers a list of items into a batch (unpadded token ids: what the rollout engines take;
@@ -14,7 +16,9 @@ the rollout batch pads prompt and response once, to the configured widths). Samp
 
 With ``tools`` (function schemas; multi-turn rollouts) the chat template renders them into each prompt.
 
-Left out: multimodal prompts, lazy/streaming reading of datasets larger than memory.
+Left out: expanding `<image>` into a vision model's image tokens (the model's processor does that; no
+vision-language model is built yet, so the trainer refuses image rows), lazy/streaming reading of datasets
+larger than memory.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow.parquet as pq
+
+from megarl.data.images import count_placeholders, open_image, read_image_entries
 
 REQUIRED_COLUMNS = ("reward_model",)
 TRUNCATION_MODES = ("error", "left", "right")
@@ -46,6 +52,7 @@ class PromptItem:
     reward_style: str | None = None
     source_file: str = ""
     source_row: int = -1
+    images: list[dict[str, Any]] = field(default_factory=list)  # {bytes, path} entries, in placeholder order
 
 
 @dataclass
@@ -60,6 +67,7 @@ class PromptBatch:
     extra_infos: list[dict[str, Any]]
     indices: list[int]
     reward_styles: list[str | None] = field(default_factory=list)
+    images: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -80,6 +88,7 @@ class RLDataset:
         apply_chat_template: bool = True,
         default_data_source: str = DEFAULT_DATA_SOURCE,
         tools: list[dict] | None = None,
+        allow_images: bool = False,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -96,6 +105,7 @@ class RLDataset:
         self.apply_chat_template = apply_chat_template
         self.default_data_source = default_data_source
         self.tools = tools  # function schemas the chat template renders into the prompt (multi-turn rollouts)
+        self.allow_images = allow_images
         self.items: list[PromptItem] = []
         self.filtered_rows: list[tuple[str, int, int]] = []  # (file, row, token length) of each dropped prompt
         for path in self.files:
@@ -133,10 +143,13 @@ class RLDataset:
         reward_models = table.column("reward_model").to_pylist()
         sources = table.column("data_source").to_pylist() if "data_source" in present else [None] * len(prompts)
         extras = table.column("extra_info").to_pylist() if "extra_info" in present else [None] * len(prompts)
+        images = table.column("images").to_pylist() if "images" in present else [None] * len(prompts)
         file_filtered: list[int] = []
-        for row, (prompt, reward_model, source, extra) in enumerate(zip(prompts, reward_models, sources, extras)):
+        for row, (prompt, reward_model, source, extra, row_images) in enumerate(
+                zip(prompts, reward_models, sources, extras, images)):
             where = f"{path} row {row}"
             ground_truth, style = _read_reward_model(reward_model, where)
+            image_entries = self._read_images(row_images, prompt, where, path.parent)
             input_ids = self._tokenize(prompt, where)
             if len(input_ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:
@@ -155,6 +168,7 @@ class RLDataset:
                     reward_style=style,
                     source_file=str(path),
                     source_row=row,
+                    images=image_entries,
                 )
             )
         if file_filtered:
@@ -165,6 +179,25 @@ class RLDataset:
                 f"max_prompt_length={self.max_prompt_length} tokens (rows {shown}{more})",
                 stacklevel=3,
             )
+
+    def _read_images(self, value: Any, prompt: Any, where: str, base_dir: Path) -> list[dict[str, Any]]:
+        """The row's images, each decoded once here so a broken one is named before training starts."""
+        entries = read_image_entries(value, where)
+        placeholders = count_placeholders(prompt)
+        if not entries and not placeholders:
+            return []
+        if not self.allow_images:
+            raise ValueError(f"{where}: a multimodal prompt ({len(entries)} image(s), {placeholders} '<image>' "
+                             f"placeholder(s)); megarl's models are text-only so far (vision-language RL is "
+                             f"issue 42's work): use a text dataset")
+        if placeholders != len(entries):
+            raise ValueError(f"{where}: {len(entries)} image(s) but {placeholders} '<image>' placeholder(s) in "
+                             f"the prompt: each image needs one placeholder where it goes")
+        for i, entry in enumerate(entries):
+            open_image(entry, f"{where} images[{i}]", base_dir=base_dir)
+            if entry["bytes"] is None and not Path(entry["path"]).is_absolute():  # relative to the parquet file
+                entry["path"] = str(base_dir / entry["path"])
+        return entries
 
     def _tokenize(self, prompt: Any, where: str) -> list[int]:
         if self.apply_chat_template:
@@ -208,6 +241,7 @@ def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
         extra_infos=[item.extra_info for item in items],
         indices=[item.index for item in items],
         reward_styles=[item.reward_style for item in items],
+        images=[list(item.images) for item in items],
     )
 
 

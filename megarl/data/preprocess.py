@@ -5,10 +5,15 @@
     python -m megarl.data.preprocess math  --input train.jsonl --output data/math
     python -m megarl.data.preprocess jsonl --input qa.jsonl --output data/qa \
         --prompt-field question --answer-field answer --data-source my/qa
+    python -m megarl.data.preprocess geo3k --input geometry3k/train.parquet --output data/geo3k \
+        [--test-input geometry3k/test.parquet]
 
 gsm8k rows carry `question` and `answer` ending in `#### N` (ground truth N, thousands commas removed); math rows
 carry `problem` and `solution` with a `\\boxed{...}` (ground truth = the last boxed content). Writes
 `train.parquet`, and `test.parquet` when `--test-input` is given. A bad row stops the run with file and line.
+geo3k reads a local copy of the Hugging Face dataset `hiyouga/geometry3k` as parquet (columns `images`: a list of
+{bytes, path}, `problem` with one `<image>` per image, `answer`) and writes verl's multimodal layout
+(megarl.data.images), the images carried through as they are.
 
 Left out: downloading datasets (inputs are local files) and answer normalisation beyond what is stated here,
 which belongs to the reward scorers.
@@ -22,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from megarl.data.images import count_placeholders, read_image_entries
 from megarl.data.rows import make_prompt_row, write_prompt_rows
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -30,6 +36,8 @@ MATH_INSTRUCTION = "Let's think step by step and output the final answer within 
 GSM8K_TOOLS_SYSTEM = ("You are a careful math solver with tools. Reason step by step; use the calculator (or "
                       "python) tool for any arithmetic instead of doing it in your head, read its result, and "
                       "when you are done write the final answer after \"####\".")
+GEO3K_INSTRUCTION = ("Reason step by step about the figure, then give the final answer within \\boxed{}.")
+GEO3K_DATA_SOURCE = "hiyouga/geometry3k"
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 MATH_DATA_SOURCE = "lighteval/MATH"
 
@@ -90,6 +98,23 @@ def convert_math_row(record: dict[str, Any], *, index: int, split: str, instruct
     )
 
 
+def convert_geo3k_row(record: dict[str, Any], *, index: int, split: str, instruction: str, data_source: str) -> dict:
+    problem = _require_str(record, "problem")
+    answer = record.get("answer")
+    if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
+        raise ValueError(f"field 'answer' must be a non-empty string or number, got {answer!r:.100}")
+    images = read_image_entries(record.get("images"), "images")
+    if count_placeholders(problem) != len(images) or not images:
+        raise ValueError(f"{len(images)} image(s) but {count_placeholders(problem)} '<image>' placeholder(s) in the "
+                         f"problem: {problem!r:.100}")
+    return make_prompt_row(
+        messages=[{"role": "user", "content": f"{problem} {instruction}".strip()}],
+        ground_truth=str(answer).strip(), data_source=data_source,
+        extra_info={"split": split, "index": index, "question": problem, "answer": str(answer)},
+        images=images,
+    )
+
+
 def make_generic_converter(prompt_field: str, answer_field: str) -> Callable[..., dict]:
     def convert(record: dict[str, Any], *, index: int, split: str, instruction: str, data_source: str) -> dict:
         prompt = _require_str(record, prompt_field)
@@ -105,6 +130,31 @@ def make_generic_converter(prompt_field: str, answer_field: str) -> Callable[...
         )
 
     return convert
+
+
+def convert_parquet_file(
+    path: str | Path, convert: Callable[..., dict], *, split: str, instruction: str, data_source: str
+) -> list[dict]:
+    """Convert every row; a bad row raises `BadRowError` naming the file and 0-based row."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as err:  # pyarrow raises several types for a non-parquet file
+        raise BadRowError(f"{path}: cannot read as parquet: {err}") from None
+    rows = []
+    for row, record in enumerate(records):
+        try:
+            rows.append(convert(record, index=len(rows), split=split, instruction=instruction,
+                                data_source=data_source))
+        except (ValueError, KeyError) as err:
+            raise BadRowError(f"{path} row {row}: {err}") from None
+    if not rows:
+        raise BadRowError(f"{path}: no rows")
+    return rows
 
 
 def convert_jsonl_file(
@@ -145,11 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megarl.data.preprocess", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="kind", required=True)
     defaults = {"gsm8k": (GSM8K_DATA_SOURCE, GSM8K_INSTRUCTION), "math": (MATH_DATA_SOURCE, MATH_INSTRUCTION),
-                "jsonl": (None, "")}
+                "jsonl": (None, ""), "geo3k": (GEO3K_DATA_SOURCE, GEO3K_INSTRUCTION)}
     for kind, (source, instruction) in defaults.items():
         p = sub.add_parser(kind)
-        p.add_argument("--input", required=True, help="train JSONL file")
-        p.add_argument("--test-input", help="optional test JSONL file, written as test.parquet")
+        kind_of_file = "parquet" if kind == "geo3k" else "JSONL"
+        p.add_argument("--input", required=True, help=f"train {kind_of_file} file")
+        p.add_argument("--test-input", help=f"optional test {kind_of_file} file, written as test.parquet")
         p.add_argument("--output", required=True, help="output directory")
         p.add_argument("--data-source", default=source, required=source is None,
                        help=f"data_source column (default {source!r})" if source else "data_source column")
@@ -170,14 +221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         convert = convert_gsm8k_row
     elif args.kind == "math":
         convert = convert_math_row
+    elif args.kind == "geo3k":
+        convert = convert_geo3k_row
     else:
         convert = make_generic_converter(args.prompt_field, args.answer_field)
     out = Path(args.output)
     inputs = [("train", args.input)] + ([("test", args.test_input)] if args.test_input else [])
     try:
         # Convert everything before writing anything: a bad test file must not leave a lone train.parquet.
-        converted = [(split, convert_jsonl_file(path, convert, split=split, instruction=args.instruction,
-                                                data_source=args.data_source)) for split, path in inputs]
+        read = convert_parquet_file if args.kind == "geo3k" else convert_jsonl_file
+        converted = [(split, read(path, convert, split=split, instruction=args.instruction,
+                                  data_source=args.data_source)) for split, path in inputs]
     except (BadRowError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ DEFAULT_ROUTES: dict[str, str] = {
     "math_dapo": MATH_ANSWER,
     "math_dapo_reasoning": MATH_ANSWER,
     "synthetic/digits": SYNTHETIC_DIGITS,
+    "synthetic/shapes": BOXED_MATH,  # megarl.data.shapes_task: one word or number in \boxed{}
 }
 # Families named by a prefix, as verl does (``aime2024``, ``aime_2025``, ``numina_olympiads``, ...).
 DEFAULT_PREFIX_ROUTES: dict[str, str] = {
