@@ -155,7 +155,8 @@ def run(cfg: MegarlConfig) -> list[dict]:
         if note is not None:
             print(f"  note:        {note}", flush=True)
         logger = MetricsLogger(t.logger, out_dir, trackers=open_trackers(
-            t.logger, project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg), log_dir=out_dir))
+            t.logger, project=t.project_name, experiment=t.experiment_name, config=to_dict(cfg), log_dir=out_dir,
+            resuming=resume_from is not None))
         workers = start_workers(cfg, total_steps=total_steps)
         workers.profiler = cfg.global_profiler
         if tools is not None:  # every response a conversation with the tools (validation's too)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from megarl.checkpoint_io.files import write_json_atomically
 from megarl.config.errors import ConfigError
 
 TRACKERS = ("wandb", "mlflow", "swanlab")
@@ -66,20 +67,24 @@ def flatten_config(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 class _RunIds:
-    """``trackers.json``: which tracker run this output directory belongs to, so a resume continues it."""
+    """``trackers.json``: which tracker run this output directory belongs to, so a resume continues it (a run
+    that starts afresh in the same directory opens new tracker runs and records those)."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, *, resuming: bool):
         self.path = log_dir / RUN_IDS_FILE
-        self.ids = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.ids = json.loads(self.path.read_text()) if resuming and self.path.is_file() else {}
 
     def get(self, tracker: str) -> str | None:
         return self.ids.get(tracker)
 
     def put(self, tracker: str, run_id: str) -> None:
         self.ids[tracker] = run_id
-        partial = self.path.with_suffix(".json.partial")
-        partial.write_text(json.dumps(self.ids, indent=1))
-        partial.replace(self.path)
+        write_json_atomically(self.path, self.ids)
+
+
+def _cell(value: Any) -> Any:
+    """A table cell a tracker shows as it is (numbers, booleans, empty) or as text."""
+    return value if value is None or isinstance(value, (int, float, bool)) else str(value)
 
 
 def _columns(rows: list[dict]) -> list[str]:
@@ -104,8 +109,7 @@ class WandbTracker:
 
     def log_table(self, name: str, rows: list[dict], step: int) -> None:
         columns = _columns(rows)
-        data = [[row.get(c) if isinstance(row.get(c), (int, float, bool)) or row.get(c) is None else str(row.get(c))
-                 for c in columns] for row in rows]
+        data = [[_cell(row.get(column)) for column in columns] for row in rows]
         self.run.log({name: self._wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
@@ -180,12 +184,13 @@ class SwanlabTracker:
 _TRACKER_CLASSES = {"wandb": WandbTracker, "mlflow": MlflowTracker, "swanlab": SwanlabTracker}
 
 
-def open_trackers(loggers: list[str], *, project: str, experiment: str | None, config: dict,
-                  log_dir: Path) -> list[Tracker]:
-    """One open tracker run per tracker named in ``loggers`` (others are megarl.trainer.metrics' own)."""
+def open_trackers(loggers: list[str], *, project: str, experiment: str | None, config: dict, log_dir: Path,
+                  resuming: bool) -> list[Tracker]:
+    """One open tracker run per tracker named in ``loggers`` (others are megarl.trainer.metrics' own); when
+    ``resuming``, the runs this directory's earlier steps went to."""
     check_trackers_installed(loggers)
     log_dir.mkdir(parents=True, exist_ok=True)
-    run_ids = _RunIds(log_dir)
+    run_ids = _RunIds(log_dir, resuming=resuming)
     name = experiment or log_dir.name
     return [_TRACKER_CLASSES[logger](project=project, experiment=name, config=config, log_dir=log_dir,
                                      run_ids=run_ids) for logger in loggers if logger in _TRACKER_CLASSES]

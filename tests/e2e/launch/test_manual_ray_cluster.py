@@ -66,7 +66,8 @@ def test_hand_started_two_node_cluster_with_token_auth_trains_and_checkpoints_on
         # the driver attaches to it, where Ray alone refuses ("num_cpus ... must not be provided")
         plain = subprocess.run(
             [sys.executable, "-m", "megarl.trainer.main", "--config", str(driver_dir / "tiny.yaml"),
-             "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'plain'}"],
+             "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'plain'}", "trainer.nnodes=1",
+             "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"],
             cwd=REPO, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, capture_output=True, text=True, timeout=300)
         assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
         assert re.search(rf"a Ray cluster runs here \([\d.]+:{port}, .*\): attaching to it", plain.stdout), plain.stdout

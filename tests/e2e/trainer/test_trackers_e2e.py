@@ -147,3 +147,22 @@ def test_a_tracker_that_is_not_installed_is_named_before_anything_starts(tmp_pat
     with pytest.raises(ConfigError, match=r"trainer.logger asks for swanlab \(needs swanlab\).*megarl\[trackers\]"):
         run(cfg)
     assert not (tmp_path / "run").exists()  # refused before the run directory was touched
+
+
+def test_a_fresh_start_in_the_same_directory_opens_new_tracker_runs(tmp_path, monkeypatch):
+    """Only a resume continues the recorded tracker run; a run that starts afresh there (resume_mode=disable, or
+    nothing to resume) must not pour its steps into the old one."""
+    from megarl.trainer.trackers import open_trackers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def run_id(resuming: bool) -> str:
+        (tracker,) = open_trackers(["jsonl", "mlflow"], project="p", experiment="e", config={"a": {"b": 1}},
+                                   log_dir=tmp_path, resuming=resuming)
+        tracker.close()
+        return tracker.run_id
+
+    first = run_id(resuming=False)
+    assert run_id(resuming=True) == first
+    fresh = run_id(resuming=False)
+    assert fresh != first and run_id(resuming=True) == fresh
