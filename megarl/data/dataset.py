@@ -181,15 +181,17 @@ class RLDataset:
             )
 
     def _read_images(self, value: Any, prompt: Any, where: str, base_dir: Path) -> list[dict[str, Any]]:
-        """The row's images, each decoded once here so a broken one is named before training starts."""
+        """The row's images, each decoded once here so a broken one is named before training starts. Without
+        an images column (or with a null cell) a row is text, whatever its prompt says."""
+        if value is None:
+            return []
         entries = read_image_entries(value, where)
         placeholders = count_placeholders(prompt)
         if not entries and not placeholders:
             return []
         if not self.allow_images:
             raise ValueError(f"{where}: a multimodal prompt ({len(entries)} image(s), {placeholders} '<image>' "
-                             f"placeholder(s)); megarl's models are text-only so far (vision-language RL is "
-                             f"issue 42's work): use a text dataset")
+                             f"placeholder(s)), and megarl has no vision-language model yet: use a text dataset")
         if placeholders != len(entries):
             raise ValueError(f"{where}: {len(entries)} image(s) but {placeholders} '<image>' placeholder(s) in "
                              f"the prompt: each image needs one placeholder where it goes")
