@@ -206,26 +206,24 @@ def main(argv=None) -> dict:
                   vocab_size=hf_cfg["vocab_size"])
     if args.prepare_only:
         return {}
+    workload = {"shape": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
+                "response_len": args.response_len}
     if args.gen_only:
-        result = {"shape": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
-                  "response_len": args.response_len, **generate_alone(args, work)}
+        result = {**workload, **generate_alone(args, work)}
         print(json.dumps(result), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
-        return result
-    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
-                      overrides=trainer_overrides(args, work))
-    start = time.perf_counter()
-    history = run(cfg)
-    result = {"shape": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,
-              "response_len": args.response_len, "steps": args.steps, "wall_s": time.perf_counter() - start,
-              "history": history, "steady": steady_means(history)}
-    if args.gen_alone:
-        import ray
+    else:
+        cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "grpo_tiny.yaml"),
+                          overrides=trainer_overrides(args, work))
+        start = time.perf_counter()
+        history = run(cfg)
+        result = {**workload, "steps": args.steps, "wall_s": time.perf_counter() - start, "history": history,
+                  "steady": steady_means(history)}
+        if args.gen_alone:
+            import ray
 
-        ray.shutdown()
-        result.update(generate_alone(args, work))
-    print(format_table(result), flush=True)
+            ray.shutdown()
+            result.update(generate_alone(args, work))
+        print(format_table(result), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return result

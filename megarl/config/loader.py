@@ -220,6 +220,16 @@ def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def flatten_dotted(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: a config tree (``to_dict``'s) keyed by its dotted names."""
+    if isinstance(tree, dict):
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(flatten_dotted(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: tree}
+
+
 def _lookup(tree: dict, dotted: str, origin_key: str):
     node: Any = tree
     for part in dotted.split("."):

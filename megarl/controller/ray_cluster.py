@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 
 import ray
 
+from megarl.controller.debugging import debugging_on
 from megarl.controller.orphan_reaper import start_orphan_reaper, stop_orphan_reaper
 
 DEFAULT_WORKER_ENV = {
@@ -143,7 +144,7 @@ def init_ray(
     merged_runtime_env = dict(runtime_env or {})
     worker_env.update(merged_runtime_env.pop("env_vars", {}) or {})
     merged_runtime_env["env_vars"] = worker_env
-    debugging = "RAY_DEBUG" in worker_env
+    debugging = debugging_on(worker_env)
     ray_init_kwargs.setdefault("include_dashboard", debugging)  # VS Code's Ray debugger finds breakpoints there
     context = ray.init(address=address, num_cpus=num_cpus, num_gpus=num_gpus, runtime_env=merged_runtime_env,
                        **ray_init_kwargs)

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import pyarrow.parquet as pq
 
-from megarl.data.images import count_placeholders, open_image, read_image_entries
+from megarl.data.images import check_one_placeholder_per_image, count_placeholders, open_image, read_image_entries
 
 REQUIRED_COLUMNS = ("reward_model",)
 TRUNCATION_MODES = ("error", "left", "right")
@@ -192,9 +192,7 @@ class RLDataset:
         if not self.allow_images:
             raise ValueError(f"{where}: a multimodal prompt ({len(entries)} image(s), {placeholders} '<image>' "
                              f"placeholder(s)), and megarl has no vision-language model yet: use a text dataset")
-        if placeholders != len(entries):
-            raise ValueError(f"{where}: {len(entries)} image(s) but {placeholders} '<image>' placeholder(s) in "
-                             f"the prompt: each image needs one placeholder where it goes")
+        check_one_placeholder_per_image(entries, prompt, where)
         for i, entry in enumerate(entries):
             open_image(entry, f"{where} images[{i}]", base_dir=base_dir)
             if entry["bytes"] is None and not Path(entry["path"]).is_absolute():  # relative to the parquet file

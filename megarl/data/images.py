@@ -65,6 +65,15 @@ def open_image(entry: dict[str, Any], where: str, *, base_dir: Path | None = Non
         raise ValueError(f"{where}: the image is not a readable picture ({err})") from None
 
 
+def check_one_placeholder_per_image(entries: list[dict[str, Any]], prompt: Any, where: str = "") -> None:
+    """Refuses a prompt whose ``<image>`` placeholders do not match its images one for one (``where`` prefixes
+    the message: file and row)."""
+    placeholders = count_placeholders(prompt)
+    if placeholders != len(entries):
+        raise ValueError(f"{where + ': ' if where else ''}{len(entries)} image(s) but {placeholders} '<image>' "
+                         f"placeholder(s) in the prompt: each image needs one placeholder where it goes")
+
+
 def count_placeholders(prompt: Any) -> int:
     """``<image>`` placeholders in a prompt: chat messages' contents, or a plain string."""
     if isinstance(prompt, str):

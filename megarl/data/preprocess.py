@@ -25,9 +25,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from megarl.data.images import count_placeholders, read_image_entries
+from megarl.data.images import check_one_placeholder_per_image, read_image_entries
 from megarl.data.rows import make_prompt_row, write_prompt_rows
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -104,9 +104,9 @@ def convert_geo3k_row(record: dict[str, Any], *, index: int, split: str, instruc
     if answer is None or isinstance(answer, (dict, list)) or not str(answer).strip():
         raise ValueError(f"field 'answer' must be a non-empty string or number, got {answer!r:.100}")
     images = read_image_entries(record.get("images"), "images")
-    if count_placeholders(problem) != len(images) or not images:
-        raise ValueError(f"{len(images)} image(s) but {count_placeholders(problem)} '<image>' placeholder(s) in the "
-                         f"problem: {problem!r:.100}")
+    check_one_placeholder_per_image(images, problem)
+    if not images:
+        raise ValueError(f"no image: a geometry3k problem comes with its figure ({problem!r:.100})")
     return make_prompt_row(
         messages=[{"role": "user", "content": f"{problem} {instruction}".strip()}],
         ground_truth=str(answer).strip(), data_source=data_source,
@@ -138,45 +138,50 @@ def convert_parquet_file(
     """Convert every row; a bad row raises `BadRowError` naming the file and 0-based row."""
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    path = _existing_input(path)
     try:
         records = pq.read_table(path).to_pylist()
     except Exception as err:  # pyarrow raises several types for a non-parquet file
         raise BadRowError(f"{path}: cannot read as parquet: {err}") from None
-    rows = []
-    for row, record in enumerate(records):
-        try:
-            rows.append(convert(record, index=len(rows), split=split, instruction=instruction,
-                                data_source=data_source))
-        except (ValueError, KeyError) as err:
-            raise BadRowError(f"{path} row {row}: {err}") from None
-    if not rows:
-        raise BadRowError(f"{path}: no rows")
-    return rows
+    return _convert_records(path, ((f"row {row}", record) for row, record in enumerate(records)), lambda r: r,
+                            convert, split=split, instruction=instruction, data_source=data_source)
 
 
 def convert_jsonl_file(
     path: str | Path, convert: Callable[..., dict], *, split: str, instruction: str, data_source: str
 ) -> list[dict]:
     """Convert every non-blank line; a bad line raises `BadRowError` naming the file and 1-based line number."""
+    path = _existing_input(path)
+    with path.open(encoding="utf-8") as handle:
+        lines = ((f"line {line_no}", line) for line_no, line in enumerate(handle, start=1) if line.strip())
+        return _convert_records(path, lines, _json_object, convert, split=split, instruction=instruction,
+                                data_source=data_source)
+
+
+def _existing_input(path: str | Path) -> Path:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    return path
+
+
+def _json_object(line: str) -> dict[str, Any]:
+    record = json.loads(line)  # json.JSONDecodeError is a ValueError
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _convert_records(path: Path, labelled: Iterable[tuple[str, Any]], parse: Callable[[Any], dict],
+                     convert: Callable[..., dict], *, split: str, instruction: str, data_source: str) -> list[dict]:
+    """``convert(parse(raw))`` for each (label, raw) of ``path``; the first failure names the file and label."""
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if not isinstance(record, dict):
-                    raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-                rows.append(convert(record, index=len(rows), split=split, instruction=instruction,
-                                    data_source=data_source))
-            except (ValueError, KeyError) as err:  # json.JSONDecodeError is a ValueError
-                raise BadRowError(f"{path} line {line_no}: {err}") from None
+    for label, raw in labelled:
+        try:
+            rows.append(convert(parse(raw), index=len(rows), split=split, instruction=instruction,
+                                data_source=data_source))
+        except (ValueError, KeyError) as err:
+            raise BadRowError(f"{path} {label}: {err}") from None
     if not rows:
         raise BadRowError(f"{path}: no rows")
     return rows

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from megarl.config.errors import ConfigError
-from megarl.config.loader import save_config, to_dict
+from megarl.config.loader import flatten_dotted, save_config, to_dict
 from megarl.config.schema import MegarlConfig
 
 # The keys (and key prefixes, ending in ".") that make a run the same run.
@@ -41,15 +41,6 @@ RUN_IDENTITY = (
 )
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: tree}
-
-
 def _is_identity(key: str) -> bool:
     return any(key.startswith(item) if item.endswith(".") else key == item or key.startswith(item + "_")
                or key.startswith(item + ".") for item in RUN_IDENTITY)
@@ -57,7 +48,7 @@ def _is_identity(key: str) -> bool:
 
 def identity_changes(previous: dict, current: dict) -> list[str]:
     """``key: old -> new`` for every run-identity key whose value differs (keys only one side has included)."""
-    old, new = _flatten(previous), _flatten(current)
+    old, new = flatten_dotted(previous), flatten_dotted(current)
     return [f"{key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}"
             for key in sorted(set(old) | set(new)) if _is_identity(key) and old.get(key) != new.get(key)]
 

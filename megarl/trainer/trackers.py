@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from megarl.checkpoint_io.files import write_json_atomically
 from megarl.config.errors import ConfigError
+from megarl.config.loader import flatten_dotted
 
 TRACKERS = ("wandb", "mlflow", "swanlab")
 _PACKAGES = {"wandb": ("wandb",), "mlflow": ("mlflow", "sqlalchemy", "alembic"), "swanlab": ("swanlab",)}
@@ -54,16 +55,6 @@ def check_trackers_installed(loggers: list[str]) -> None:
     if missing:
         raise ConfigError(f"trainer.logger asks for {', '.join(missing)}, not installed here: "
                           f"pip install 'megarl[trackers]' (or drop them from trainer.logger)")
-
-
-def flatten_config(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: the run's whole config as the trackers' parameters."""
-    if isinstance(tree, dict):
-        flat: dict[str, Any] = {}
-        for key, value in tree.items():
-            flat.update(flatten_config(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: tree}
 
 
 class _RunIds:
@@ -136,7 +127,7 @@ class MlflowTracker:
         run_id = run_ids.get("mlflow")
         if run_id is None:
             run_id = self.client.create_run(experiment_id, run_name=experiment).info.run_id
-            params = [Param(key, str(value)[:6000]) for key, value in flatten_config(config).items()]
+            params = [Param(key, str(value)[:6000]) for key, value in flatten_dotted(config).items()]
             for start in range(0, len(params), 100):  # mlflow's batch limit
                 self.client.log_batch(run_id, params=params[start:start + 100])
             run_ids.put("mlflow", run_id)
