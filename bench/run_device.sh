@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora|fp8curve
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
 # (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host;
@@ -10,6 +10,8 @@
 # (moe: vLLM's routing GPU test, then MoE GRPO (Qwen3-30B-A3B sizes, $LAYERS layers) per router replay mode
 #  in $REPLAY; needs the --keep-moe vLLM stage. gen: plain vLLM's generation of big's prompts, bf16 and FP8, at
 #  $MODELS: `MODELS=7b,30b-a3b bash bench/run_device.sh gen`)
+# (fp8curve: grpo_tiny through vLLM on the GPU, $STEPS steps with a bf16 rollout, then with an FP8 one and its
+#  token-level TIS, same seed: the rewards and the rollout-vs-trainer mismatch of each in fp8curve_<quant>.jsonl)
 # (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
 #  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
@@ -142,6 +144,18 @@ elif [ "$MODE" = lora ]; then  # LoRA GRPO at $MODELS (default: 14b on an 80 GB 
       $O.megatron.param_offload=true $O.megatron.recompute_granularity=full \
       $O.megatron.use_distributed_optimizer=true ${EXTRA:-}
   done
+elif [ "$MODE" = fp8curve ]; then  # a short learning curve: grpo_tiny through vLLM, bf16 rollout, then FP8 (+ token TIS)
+  # Same seed, data and bf16 training for both; only the rollout's weights differ. metrics.jsonl of each comes back.
+  for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do
+    QUANT_ARG=""; [ "$quant" = bf16 ] || QUANT_ARG="actor_rollout_ref.rollout.quantization=$quant"
+    step "grpo_tiny_$quant" timeout "${CURVE_TIMEOUT:-300}" python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml \
+      trainer.device=cuda actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
+      actor_rollout_ref.rollout.enforce_eager=true actor_rollout_ref.rollout.dtype=bfloat16 \
+      actor_rollout_ref.actor.megatron.params_dtype=bfloat16 $QUANT_ARG \
+      trainer.total_training_steps=${STEPS:-40} trainer.test_freq=10 trainer.save_freq=1000 trainer.progress_bar=false \
+      trainer.default_local_dir=${GRPO_DIR}_$quant
+    cp "${GRPO_DIR}_$quant/metrics.jsonl" "$OUT/fp8curve_$quant.jsonl" 2>/dev/null || echo "no metrics.jsonl ($quant)"
+  done
 elif [ "$MODE" = attn ]; then
   step logprob python3 -m bench.logprob_bench --batch 8 --seq 2048 --warmup 2 --iters 5 --out "$OUT/logprob_attn.json"
   step train python3 -m bench.train_throughput --models 0.5b,1.5b --prompt-len 1024 --response-len 3072 --rows 8 \
@@ -162,5 +176,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || [ "$MODE" = moe ] || [ "$MODE" = gen ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || [ "$MODE" = moe ] || [ "$MODE" = gen ] || [ "$MODE" = fp8curve ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"
