@@ -1,7 +1,7 @@
 """ModelBridge: one HF causal-LM config <-> megatron-core GPTModel (config, spec, model, weight names).
 
 ``ModelBridge.from_hf_config(cfg_or_dict_or_dir, spec="auto"|"local"|"te", core_attention="sdpa"|"local")``
-picks the architecture module (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3) and then answers:
+picks the architecture module (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3, Qwen2.5-VL) and then answers:
 
 * building: :meth:`transformer_config` (keyword-only, parallel layout in, ``TransformerConfig`` /
   ``MLATransformerConfig`` out), :meth:`layer_spec`, :meth:`build_model`, :meth:`padded_vocab_size`;
@@ -59,6 +59,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT_RE = re.compile(r"^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_FIRST_STAGE_PREFIXES = ("embedding.", "vision_model.")  # where the tokens (and images) come in
 
 
 def transformer_engine_available() -> bool:
@@ -94,6 +95,7 @@ class ModelBridge:
         if head == "score":  # a classifier has no vocabulary projection to tie to the embedding
             self.dims = dataclasses.replace(self.dims, tie_word_embeddings=False)
         rules = build_param_rules(self.dims, spec=spec, expert_layout=expert_layout)
+        rules += architecture.extra_param_rules(self.dims)
         if head == "score":
             rules = [ParamRule("output_layer.weight", (SCORE_HEAD_HF_NAME,)) if rule.mcore_name == "output_layer.weight"
                      else rule for rule in rules]
@@ -226,8 +228,6 @@ class ModelBridge:
                     tie_embeddings: Optional[bool] = None):
         """``tie_embeddings=False`` builds a separate output layer even for a tied HF model (the critic
         replaces it with its value head)."""
-        from megatron.core.models.gpt import GPTModel
-
         from megarl.models import packed_rope
         from megarl.models.fused_norm import fuse_rms_norms
 
@@ -235,7 +235,8 @@ class ModelBridge:
         kwargs = self.architecture.gpt_model_kwargs(self.hf_config)
         if vp_stage is not None:
             kwargs["vp_stage"] = vp_stage
-        model = GPTModel(
+        model = self.architecture.build_model(
+            self.hf_config, params_dtype=config.params_dtype,
             config=config, transformer_layer_spec=self.layer_spec(config, vp_stage=vp_stage),
             vocab_size=self.padded_vocab_size(config.tensor_model_parallel_size),
             pre_process=pre_process, post_process=post_process,
@@ -319,9 +320,10 @@ class ModelBridge:
         self.rule(global_name)
         match = _LAYER_RE.match(global_name)
         if not match:
-            if global_name.startswith("embedding.") and pre_process is False:
+            on_first_stage = global_name.startswith(_FIRST_STAGE_PREFIXES)
+            if on_first_stage and pre_process is False:
                 return None
-            if not global_name.startswith("embedding.") and post_process is False:
+            if not on_first_stage and post_process is False:
                 return None
             return global_name
         layer, rest = int(match.group(1)), match.group(2)

@@ -3,7 +3,9 @@ for the bridge (parameter names and shapes, megatron's ``TransformerConfig``), t
 (parameter count, memory).
 
 Covers the decoder families megarl builds and plans for: Llama / Qwen2 / Qwen3 / Mistral dense GQA models,
-Qwen3-MoE, and DeepSeek-V2/V3 (MLA attention, routed + shared experts, dense first layers, MTP). Leaves out
+Qwen3-MoE, DeepSeek-V2/V3 (MLA attention, routed + shared experts, dense first layers, MTP), and Qwen2.5-VL
+(its language model is a Qwen2 decoder read from ``text_config``; its vision tower's sizes from
+``vision_config`` go in :class:`VisionDims`). Leaves out
 what neither the parameter table nor the arithmetic uses (rope scaling, eps, token ids: the architecture
 modules read those where they build megatron's config).
 
@@ -14,7 +16,7 @@ An unknown ``model_type`` or a missing required field raises ``ValueError`` nami
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from megarl.models.hf_config import config_field
@@ -22,7 +24,8 @@ from megarl.models.hf_config import config_field
 DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 QWEN_MOE_MODEL_TYPES = ("qwen3_moe",)
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-KNOWN_MODEL_TYPES = DENSE_MODEL_TYPES + QWEN_MOE_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
+VISION_LANGUAGE_MODEL_TYPES = ("qwen2_5_vl",)
+KNOWN_MODEL_TYPES = DENSE_MODEL_TYPES + QWEN_MOE_MODEL_TYPES + DEEPSEEK_MODEL_TYPES + VISION_LANGUAGE_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,32 @@ class MoEDims:
 
 
 @dataclass(frozen=True)
+class VisionDims:
+    """A Qwen2.5-VL vision tower: ``depth`` blocks of ``hidden_size`` (gated MLP of ``intermediate_size``), patches
+    of ``patch_size`` pixels x ``temporal_patch_size`` frames, and a merger that turns each
+    ``spatial_merge_size`` x ``spatial_merge_size`` square of patches into one language-model token."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+
+    @property
+    def num_parameters(self) -> int:
+        h, patch_in = self.hidden_size, self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (self.intermediate_size * h + self.intermediate_size) \
+            + (h * self.intermediate_size + h)
+        merged = h * self.spatial_merge_size ** 2
+        merger = h + (merged * merged + merged) + (self.out_hidden_size * merged + self.out_hidden_size)
+        return patch_in * h + self.depth * block + merger
+
+
+@dataclass(frozen=True)
 class ModelDims:
     model_type: str
     hidden_size: int
@@ -64,6 +93,7 @@ class ModelDims:
     moe: MoEDims | None
     mla: MLADims | None
     mtp_layers: int  # DeepSeek multi-token-prediction modules stored after the decoder layers
+    vision: VisionDims | None = None  # a vision-language model's vision tower (its language model is the rest)
 
     @property
     def num_experts(self) -> int:
@@ -98,6 +128,8 @@ def read_model_dims(hf_config: Any, *, source: str = "hf_config") -> ModelDims:
     if model_type not in KNOWN_MODEL_TYPES:
         raise ValueError(f"{source}: unsupported model_type {model_type!r}; "
                          f"megarl knows {', '.join(KNOWN_MODEL_TYPES)}")
+    if model_type in VISION_LANGUAGE_MODEL_TYPES:
+        return _read_vision_language_dims(hf_config, model_type, source)
 
     hidden = _positive_int(hf_config, "hidden_size", source)
     layers = _positive_int(hf_config, "num_hidden_layers", source)
@@ -173,3 +205,35 @@ def read_model_dims(hf_config: Any, *, source: str = "hf_config") -> ModelDims:
         mla=mla,
         mtp_layers=mtp_layers,
     )
+
+
+def _section(hf_config: Any, name: str, source: str) -> Any:
+    section = _field(hf_config, name)
+    if section is None:
+        raise ValueError(f"{source}: HF config has no '{name}' (model_type={_field(hf_config, 'model_type')!r})")
+    return section
+
+
+def _read_vision_language_dims(hf_config: Any, model_type: str, source: str) -> ModelDims:
+    """Qwen2.5-VL: a Qwen2 language model (``text_config``) and a vision tower (``vision_config``)."""
+    text = _section(hf_config, "text_config", source)
+    fields = dict(text) if isinstance(text, Mapping) else text.to_dict()
+    tied = _field(hf_config, "tie_word_embeddings", fields.get("tie_word_embeddings", False))
+    language = read_model_dims({**fields, "model_type": "qwen2", "tie_word_embeddings": tied},
+                               source=f"{source} text_config")
+    vision = _section(hf_config, "vision_config", source)
+    where = f"{source} vision_config"
+    dims = VisionDims(
+        depth=_positive_int(vision, "depth", where), hidden_size=_positive_int(vision, "hidden_size", where),
+        intermediate_size=_positive_int(vision, "intermediate_size", where),
+        num_heads=_positive_int(vision, "num_heads", where),
+        out_hidden_size=_positive_int(vision, "out_hidden_size", where),
+        patch_size=_positive_int(vision, "patch_size", where),
+        temporal_patch_size=_positive_int(vision, "temporal_patch_size", where),
+        spatial_merge_size=_positive_int(vision, "spatial_merge_size", where),
+        in_channels=_field(vision, "in_channels", _field(vision, "in_chans", 3)),
+    )
+    if dims.out_hidden_size != language.hidden_size:
+        raise ValueError(f"{where}: out_hidden_size {dims.out_hidden_size} must equal the language model's "
+                         f"hidden_size {language.hidden_size} (the merger's output is the LM's input)")
+    return replace(language, model_type=model_type, vision=dims)

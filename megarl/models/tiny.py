@@ -78,6 +78,49 @@ def build_tiny_hf_model(arch: str, *, seed: int, **overrides: Any):
     return model.eval()
 
 
+# Qwen2.5-VL: the tiny Qwen2 decoder with M-RoPE (sections of the 16-wide head's 8 frequencies: 2 temporal,
+# 3 height, 3 width) and a 2-block vision tower (one windowed block, one full), patches of 14 px merged 2 x 2.
+TINY_VL_IMAGE_TOKEN_ID = 240  # inside the tiny vocabulary (250); vision start/end/video ids beside it
+TINY_VL_VISION_START_ID, TINY_VL_VISION_END_ID = 241, 242
+
+
+def tiny_vl_config_dict(**text_overrides: Any) -> dict[str, Any]:
+    text = {k: v for k, v in _COMMON.items() if k not in ("torch_dtype",)}
+    text.update(model_type="qwen2_5_vl_text", head_dim=16, rope_theta=1000000.0, use_sliding_window=False,
+                rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3]), **text_overrides)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=text["hidden_size"],
+                  fullatt_block_indexes=[1], window_size=56, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_chans=3, initializer_range=0.2)
+    return dict(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], text_config=text,
+                vision_config=vision, image_token_id=TINY_VL_IMAGE_TOKEN_ID,
+                vision_start_token_id=TINY_VL_VISION_START_ID, vision_end_token_id=TINY_VL_VISION_END_ID,
+                video_token_id=243, tie_word_embeddings=False, torch_dtype="float32")
+
+
+def save_tiny_vl_checkpoint(out_dir: str | os.PathLike, *, seed: int, max_shard_size: str = "60KB") -> str:
+    """A random-init tiny Qwen2.5-VL in the checkpoint layout (``model.layers.*``, ``visual.*``); every weight drawn
+    at the scale of the others (HF would leave the vision tower's biases and norms at 0 and 1)."""
+    import transformers
+
+    from megarl.models.hf_config import load_hf_config
+
+    config = load_hf_config(tiny_vl_config_dict())
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32,
+                                                                         attn_implementation="eager")
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
+                    or name.endswith("ln_q.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    out_dir = os.fspath(out_dir)
+    model.eval().save_pretrained(out_dir, max_shard_size=max_shard_size)
+    return out_dir
+
+
 def save_tiny_hf_checkpoint(arch: str, out_dir: str | os.PathLike, *, seed: int, max_shard_size: str = "60KB",
                             **overrides: Any) -> str:
     model = build_tiny_hf_model(arch, seed=seed, **overrides)

@@ -3,11 +3,13 @@
 from megarl.models.architectures.base import Architecture
 from megarl.models.architectures.deepseek_v3 import DeepseekV3Architecture
 from megarl.models.architectures.llama import LlamaArchitecture, Qwen2Architecture, Qwen3Architecture
+from megarl.models.architectures.qwen2_5_vl import Qwen2_5_VLArchitecture
 from megarl.models.architectures.qwen3_moe import Qwen3MoeArchitecture
 
 ARCHITECTURES: dict[str, type[Architecture]] = {
     cls.hf_architecture: cls
-    for cls in (LlamaArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen3MoeArchitecture, DeepseekV3Architecture)
+    for cls in (LlamaArchitecture, Qwen2Architecture, Qwen3Architecture, Qwen3MoeArchitecture, DeepseekV3Architecture,
+                Qwen2_5_VLArchitecture)
 }
 
 

@@ -57,6 +57,20 @@ class Architecture:
         return False
 
     @property
+    def has_vision(self) -> bool:
+        return False
+
+    def extra_param_rules(self, dims: ModelDims) -> list[ParamRule]:
+        """Parameters outside the decoder's table (a vision tower's), as rules."""
+        return []
+
+    def build_model(self, hf: Any, *, params_dtype, **gpt_kwargs):
+        """The megatron model: a ``GPTModel`` unless the architecture has more than a decoder."""
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel(**gpt_kwargs)
+
+    @property
     def has_moe(self) -> bool:
         return False
 

@@ -58,7 +58,7 @@ def test_a_passing_trouble_is_retried(trouble):
 def test_persistent_trouble_fails_with_the_url_and_cause(trouble, cause):
     with RewardService(default=trouble, slow_s=0.6) as service:
         with pytest.raises(RewardError) as error:
-            manager(service.url, max_retries=1, max_concurrency=1).score_batch(**batch())
+            manager(service.url, max_retries=1, max_concurrency=1).score_batch(**batch(3))  # one request's worth
     message = str(error.value)
     assert service.url in message and cause in message and "after 2 attempts" in message, message
     assert "sample 0" in message and "data_source='svc'" in message

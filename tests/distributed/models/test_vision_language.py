@@ -1,0 +1,150 @@
+"""Qwen2.5-VL in megatron (megarl/models/vision_language.py) against transformers' own model.
+
+A tiny random Qwen2.5-VL checkpoint (two vision blocks, one windowed, one full; M-RoPE sections 2/3/3) is loaded
+through the bridge into megatron at TP=1 and TP=2 on two real gloo processes; a padded batch of two rows with
+three images of different grids (one row padded on the right, one on the left, an image first in its row, two
+images in one row) goes through it with megarl's M-RoPE positions, and every real token's logits are compared
+with transformers' model of the same checkpoint given the processor's inputs (``mm_token_type_ids``), row by row,
+unpadded, in fp32. The M-RoPE positions are compared with transformers' ``get_rope_index`` on their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.models.tiny import (TINY_VL_IMAGE_TOKEN_ID, TINY_VL_VISION_END_ID, TINY_VL_VISION_START_ID,
+                                save_tiny_vl_checkpoint)
+from tests.dist_harness import run_distributed
+
+IMAGE = TINY_VL_IMAGE_TOKEN_ID
+PATCH_VALUES = 3 * 2 * 14 * 14  # channels x temporal patch x patch x patch
+MERGE = 2
+# (frames, rows, columns) of patches per image; tokens per image = product / MERGE**2
+GRIDS = [(1, 4, 6), (1, 2, 2), (1, 4, 4)]
+PAD = 0
+
+
+def image_run(grid) -> list[int]:
+    return [TINY_VL_VISION_START_ID] + [IMAGE] * (grid[0] * grid[1] * grid[2] // MERGE ** 2) + [TINY_VL_VISION_END_ID]
+
+
+# row 0: text, image 0, text (padded on the right); row 1: image 1 first, text, image 2, text (padded on the left)
+ROWS = [[5, 6, 7] + image_run(GRIDS[0]) + [8, 9, 10, 11],
+        image_run(GRIDS[1]) + [12, 13] + image_run(GRIDS[2]) + [14]]
+IMAGES_PER_ROW = [1, 2]
+
+
+def padded_batch():
+    width = max(len(r) for r in ROWS)
+    input_ids = torch.full((len(ROWS), width), PAD)
+    mask = torch.zeros(len(ROWS), width, dtype=torch.long)
+    input_ids[0, :len(ROWS[0])], mask[0, :len(ROWS[0])] = torch.tensor(ROWS[0]), 1
+    input_ids[1, width - len(ROWS[1]):], mask[1, width - len(ROWS[1]):] = torch.tensor(ROWS[1]), 1
+    generator = torch.Generator().manual_seed(0)
+    pixel_values = torch.randn(sum(t * h * w for t, h, w in GRIDS), PATCH_VALUES, generator=generator)
+    return input_ids, mask, pixel_values, torch.tensor(GRIDS)
+
+
+def patches_of(image: int, pixel_values: torch.Tensor) -> torch.Tensor:
+    starts = [0]
+    for t, h, w in GRIDS:
+        starts.append(starts[-1] + t * h * w)
+    return pixel_values[starts[image]:starts[image + 1]]
+
+
+def transformers_logits(hf_dir: str) -> list[torch.Tensor]:
+    """transformers' logits of each row alone, unpadded, with the inputs its processor would give."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    _, _, pixel_values, grids = padded_batch()
+    first_image, out = 0, []
+    for row, count in zip(ROWS, IMAGES_PER_ROW):
+        ids = torch.tensor([row])
+        images = list(range(first_image, first_image + count))
+        first_image += count
+        with torch.no_grad():
+            out.append(model(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
+                             pixel_values=torch.cat([patches_of(i, pixel_values) for i in images]),
+                             image_grid_thw=grids[images]).logits[0])
+    return out
+
+
+def megatron_logits(rank: int, hf_dir: str) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.hf_checkpoint import load_hf_weights
+    from megarl.models.vision_language import batch_mrope_position_ids
+
+    input_ids, mask, pixel_values, grids = padded_batch()
+    positions = batch_mrope_position_ids(input_ids, mask, grids, IMAGES_PER_ROW, image_token_id=IMAGE,
+                                         spatial_merge_size=MERGE)
+    width = input_ids.shape[1]
+    # megatron's mask: True where attention is not allowed (the future, and padding keys)
+    attention_mask = (torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]
+                      | (mask == 0)[:, None, None, :])
+    results = {}
+    for label, tp in (("tp1", 1), ("tp2", 2)):
+        layout = ParallelLayout(tensor_parallel=tp)
+        initialize_megatron_parallel(layout=layout, seed=11)
+        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
+        config = bridge.transformer_config(layout=layout, perform_initialization=False)
+        model = bridge.build_model(config=config, pre_process=True, post_process=True).eval()
+        load_hf_weights([model], hf_dir, bridge)
+        with torch.no_grad():
+            logits = model(input_ids, positions, attention_mask, pixel_values=pixel_values,
+                           image_grid_thw=grids).contiguous()
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits, group=mpu.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        results[label] = logits[..., :bridge.dims.vocab_size]
+        if label == "tp1":
+            results["vision_names"] = {n: tuple(p.shape) for n, p in model.named_parameters()
+                                       if n.startswith("vision_model.")}
+    return results
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_vl_checkpoint(tmp_path_factory.mktemp("tiny_vl") / "hf", seed=5)
+
+
+@pytest.mark.timeout(300)
+def test_megatron_qwen2_5_vl_gives_transformers_logits_at_tp1_and_tp2(checkpoint):
+    reference = transformers_logits(checkpoint)
+    per_rank = run_distributed(megatron_logits, 2, checkpoint, timeout_s=240)
+    _, mask, _, _ = padded_batch()
+    for rank, results in enumerate(per_rank):
+        for label in ("tp1", "tp2"):
+            for row, want in enumerate(reference):
+                got = results[label][row][mask[row].bool()]
+                scale = want.abs().max()
+                assert scale > 0.1, "degenerate reference logits would prove nothing"
+                # fp32 throughout; TP=2 sums its row-parallel partial products in another order
+                torch.testing.assert_close(got, want, atol=1e-5 * float(scale), rtol=0,
+                                           msg=lambda m: f"rank {rank} {label} row {row}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_the_bridge_names_every_vision_tensor_and_maps_it_both_ways(checkpoint):
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.hf_checkpoint import HFCheckpointReader
+
+    bridge = ModelBridge.from_hf_config(checkpoint, spec="local")
+    reader = HFCheckpointReader(checkpoint)
+    assert set(bridge.iter_hf_names()) == set(reader.names())  # every checkpoint tensor, nothing more
+    for name in bridge.iter_global_mcore_names():
+        hf = {n: reader.get(n) for n in bridge.hf_names_for(name)}
+        back = dict(bridge.mcore_to_hf(name, bridge.hf_to_mcore(name, hf)))
+        assert back.keys() == hf.keys() and all(torch.equal(back[n], hf[n]) for n in hf), name
+    vision = {n for n in bridge.iter_global_mcore_names() if n.startswith("vision_model.")}
+    assert vision and all(bridge.global_to_local_name(n, layer_offset=0, num_layers_this_stage=2,
+                                                      pre_process=False) is None for n in vision)
+    assert all(bridge.global_to_local_name(n, layer_offset=0, num_layers_this_stage=2, pre_process=True,
+                                           post_process=False) == n for n in vision)
