@@ -20,8 +20,9 @@ import torch
 # routed_experts' entry where no routing is known (padding, a row's last token, a prefix an engine cached)
 UNKNOWN_EXPERT = -1
 
-# The fields a model's forward pass reads (the tokens and which of them are real): what every engine call takes
-MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+# The fields a model's forward pass reads (the tokens, which of them are real, and the rows' images): what every
+# engine call takes
+MODEL_INPUTS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "multi_modal_inputs")
 
 
 @dataclass
@@ -43,6 +44,10 @@ class RolloutBatch:
     # -1 where not known (padding, each row's last token). Replayed by the trainer's routers (router_replay R3),
     # or the old-log-prob pass's own choice (R2).
     routed_experts: Optional[torch.Tensor] = None
+    # per row: None (text only) or its images as a vision-language model takes them (verl's multi_modal_inputs):
+    # {"pixel_values": [patches, channels x patch pixels] float, "image_grid_thw": [images, 3] long}, images in
+    # the order the row's image placeholder tokens show them. None: no row has images.
+    multi_modal_inputs: Optional[list[Optional[dict]]] = None
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])
@@ -112,7 +117,8 @@ def select_rows(batch, index: torch.Tensor | list[int] | slice):
 
 def concat_rows(batches: list):
     """Batches of one dataclass and width, stacked row-wise (tensors concatenated on dim 0, lists joined;
-    a field that is None in every batch stays None)."""
+    a field that is None in every batch stays None; a list field None in some batches, per-row entries in
+    others, takes a None per row of the first: ``multi_modal_inputs`` of text rows beside image rows)."""
     if not batches:
         raise ValueError("concat_rows needs at least one batch")
     joined = {}
@@ -122,8 +128,8 @@ def concat_rows(batches: list):
             joined[f.name] = None
         elif all(isinstance(v, torch.Tensor) for v in values):
             joined[f.name] = torch.cat(values)
-        elif all(isinstance(v, list) for v in values):
-            joined[f.name] = [item for v in values for item in v]
+        elif all(isinstance(v, list) or v is None for v in values):
+            joined[f.name] = [item for b, v in zip(batches, values) for item in (v if v is not None else [None] * len(b))]
         else:
             raise ValueError(f"field {f.name!r} is set in some batches and not in others")
     return type(batches[0])(**joined)

@@ -25,11 +25,28 @@ embedding is).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 VISION_PREFIX = "vision_model."
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    """What the batch layout needs of a vision-language model to place images: its image placeholder token and
+    how many patches (per side) its merger folds into one token."""
+
+    image_token_id: int
+    spatial_merge_size: int
+
+
+def image_tokens_of(model: torch.nn.Module) -> Optional[ImageTokens]:
+    """The :class:`ImageTokens` of a (wrapped) megatron model chunk, or None for a text-only model."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return getattr(model, "image_tokens", None)
 
 
 def mrope_position_ids(input_ids: Sequence[int] | torch.Tensor, image_grid_thw: Optional[torch.Tensor], *,
@@ -108,9 +125,9 @@ def _gpt_model_class():
     class VisionLanguageGPTModel(GPTModel):
         """A GPTModel whose first stage also holds a vision tower; see the module docstring."""
 
-        def __init__(self, *args, vision_tower: Optional[torch.nn.Module], image_token_id: int, **kwargs):
+        def __init__(self, *args, vision_tower: Optional[torch.nn.Module], image_tokens: ImageTokens, **kwargs):
             super().__init__(*args, **kwargs)
-            self.image_token_id = image_token_id
+            self.image_tokens = image_tokens  # on every stage: each computes M-RoPE from the positions it is given
             self.vision_model = vision_tower if self.pre_process else None
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *,
@@ -133,7 +150,7 @@ def _gpt_model_class():
             tower = self.vision_model
             features = tower(pixel_values.to(tower.dtype), grid_thw=image_grid_thw)
             features = getattr(features, "pooler_output", features)  # merged: one row per image token
-            slots = input_ids == self.image_token_id  # [rows, seq]
+            slots = input_ids == self.image_tokens.image_token_id  # [rows, seq]
             if int(slots.sum()) != features.shape[0]:
                 raise ValueError(f"{int(slots.sum())} image tokens in input_ids, the vision tower made "
                                  f"{features.shape[0]} image embeddings from image_grid_thw")
@@ -154,5 +171,6 @@ def vision_language_gpt_model(*args, vision_config: Any, image_token_id: int, pr
         tower = build_vision_tower(vision_config).to(params_dtype)
         for param in tower.parameters():
             param.requires_grad_(not freeze_vision_tower)
-    return _gpt_model_class()(*args, pre_process=pre_process, vision_tower=tower, image_token_id=image_token_id,
-                              **kwargs)
+    tokens = ImageTokens(image_token_id=int(image_token_id),
+                         spatial_merge_size=int(vision_config.spatial_merge_size))
+    return _gpt_model_class()(*args, pre_process=pre_process, vision_tower=tower, image_tokens=tokens, **kwargs)

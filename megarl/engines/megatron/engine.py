@@ -54,6 +54,7 @@ from megarl.engines.megatron.model_chunks import ModelProvider, build_model_chun
 from megarl.engines.megatron.parallel import current_rank_info, device_for_this_process
 from megarl.engines.megatron.routing_replay import RoutingReplay
 from megarl.models.cpu_compat import cuda_tensors_on_cpu
+from megarl.models.vision_language import image_tokens_of
 # loss(micro_batch, output_of_last_stage) -> (scalar share of the step loss, {name: detached tensor})
 MicroBatchLoss = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -108,6 +109,7 @@ class MegatronEngine:
                 wrap_with_ddp=self.trainable, chunk_hook=chunk_hook,
                 one_dtype=config.params_dtype if cpu_offload else None, lora=lora,
             )
+        self.image_tokens = image_tokens_of(self.model[0])  # a vision-language model's, else None
         self.routing = None
         if routing_replay:
             if not getattr(config, "num_moe_experts", None):
@@ -188,7 +190,7 @@ class MegatronEngine:
         group = (self.config.microbatch_group_size_per_vp_stage or pp) if interleaved else 1
         return make_micro_batches(batch, fields, micro_batching=self.micro_batching,
                                   micro_batch_size=micro_batch_size or self.micro_batch_size, max_tokens=max_tokens,
-                                  interleave_group=group)
+                                  interleave_group=group, image_tokens=self.image_tokens)
 
     def run_micro_batches(
         self, micro_batches: list[dict], *, loss: MicroBatchLoss, forward_only: bool,
@@ -213,7 +215,8 @@ class MegatronEngine:
             if self.routing is not None:
                 self.routing.before_forward(model, mb)
             output = model(input_ids=mb["input_ids"], position_ids=mb["position_ids"],
-                           attention_mask=mb["attention_mask"], packed_seq_params=mb.get("packed_seq_params"))
+                           attention_mask=mb["attention_mask"], packed_seq_params=mb.get("packed_seq_params"),
+                           **mb.get("images", {}))
             if self.routing is not None:
                 self.routing.after_forward(model)
             return output, partial(loss_func, mb)

@@ -18,6 +18,7 @@ from megarl.engines.megatron.packing import (
     shard_for_context_parallel,
 )
 from megarl.engines.megatron.parallel import device_for_this_process
+from megarl.models.vision_language import ImageTokens
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class MicroBatching:
 
 def make_micro_batches(batch: TrainBatch, fields: Iterable[str], *, micro_batching: MicroBatching,
                        micro_batch_size: int, max_tokens: Optional[int] = None,
-                       interleave_group: int = 1) -> list[dict]:
+                       interleave_group: int = 1, image_tokens: Optional[ImageTokens] = None) -> list[dict]:
     """This rank's micro-batches of ``batch``; the per-token ``fields`` ride along.
 
     Rows are grouped by ``max_tokens`` real tokens (default: ``micro_batching``'s budget) when packing with a
@@ -47,7 +48,8 @@ def make_micro_batches(batch: TrainBatch, fields: Iterable[str], *, micro_batchi
     groups), else ``micro_batch_size`` consecutive rows. Packed streams are padded to a multiple of TP
     (sequence parallelism splits them) and, with pipeline stages, to the longest stream of the step (one
     activation shape per step). With context parallelism each CP rank gets its share of every micro-batch
-    (each row rounded up to a multiple of ``2 * cp``; a micro-batch holds ``cp`` times the per-GPU budget)."""
+    (each row rounded up to a multiple of ``2 * cp``; a micro-batch holds ``cp`` times the per-GPU budget).
+    ``image_tokens``: a vision-language model's, so the rows' images ride along with M-RoPE positions."""
     from megatron.core import parallel_state as mpu
 
     device = device_for_this_process()
@@ -61,12 +63,13 @@ def make_micro_batches(batch: TrainBatch, fields: Iterable[str], *, micro_batchi
     else:
         plan = plan_fixed_rows(len(batch), micro_batch_size)
     if not micro_batching.sequence_packing:
-        micro_batches = [pad_rows(batch, rows, fields, device) for rows in plan]
+        micro_batches = [pad_rows(batch, rows, fields, device, image_tokens=image_tokens) for rows in plan]
     else:
         multiple = mpu.get_tensor_model_parallel_world_size() * segment_multiple
         pad_to = (max(packed_length(batch, rows, multiple, segment_multiple) for rows in plan) if pp > 1 else None)
         micro_batches = [pack_rows(batch, rows, fields, device, pad_to=pad_to, multiple_of=multiple,
-                                   segment_multiple_of=segment_multiple) for rows in plan]
+                                   segment_multiple_of=segment_multiple, image_tokens=image_tokens)
+                         for rows in plan]
     if cp > 1:
         rank = mpu.get_context_parallel_rank()
         micro_batches = [shard_for_context_parallel(mb, cp, rank) for mb in micro_batches]

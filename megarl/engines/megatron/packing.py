@@ -15,6 +15,10 @@ Whole-sequence fields (:data:`SEQUENCE_FIELDS`: MoE ``routed_experts`` and the `
 token's row and position) follow the tokens instead: ``[b, S, ...]`` padded, ``[1, T, ...]`` packed, ``-1``
 wherever no real token is.
 
+Images (a vision-language model's, ``image_tokens`` given): the rows' ``multi_modal_inputs`` ride along as one
+``images`` dict per micro-batch (``pixel_values`` and ``image_grid_thw`` of its rows, row after row, the order in
+which the layout shows their image tokens), and ``position_ids`` are M-RoPE's ``[3, b, S]`` (packed: ``[3, 1, T]``).
+
 Context parallelism (:func:`shard_for_context_parallel`): either layout, with every sequence (packed: every
 segment) padded to a multiple of ``2 * cp``, is cut into this CP rank's share of tokens, positions and
 next-token labels; the per-token results are gathered back into the full layout before the loss.
@@ -35,6 +39,7 @@ import torch
 
 from megarl.batch import UNKNOWN_EXPERT, TrainBatch
 from megarl.models.context_parallel import local_positions
+from megarl.models.vision_language import ImageTokens, mrope_position_ids
 
 # Fields laid out like the tokens (not like the responses): the MoE routing a batch replays
 # (:mod:`megarl.engines.megatron.routing_replay`), and ``token_codes`` (row * S + position of each token in
@@ -126,13 +131,46 @@ def _per_token_fields(batch: TrainBatch, rows: torch.Tensor, fields: Iterable[st
     return out
 
 
-def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device) -> dict:
+def _row_images(batch: TrainBatch, rows: list[int],
+                image_tokens: Optional[ImageTokens]) -> tuple[list[Optional[torch.Tensor]], dict]:
+    """Each row's ``image_grid_thw`` (None: no image) and the micro-batch's ``images`` model inputs."""
+    inputs = [batch.multi_modal_inputs[r] for r in rows] if batch.multi_modal_inputs else [None] * len(rows)
+    grids = [None if row is None else row["image_grid_thw"] for row in inputs]
+    if not any(g is not None for g in grids):
+        return grids, {}
+    if image_tokens is None:
+        raise ValueError("the batch carries images (multi_modal_inputs) but the model is text-only: use a "
+                         "vision-language model (Qwen2.5-VL) or a text dataset")
+    with_images = [row for row in inputs if row is not None]
+    return grids, {"pixel_values": torch.cat([row["pixel_values"] for row in with_images]),
+                   "image_grid_thw": torch.cat([row["image_grid_thw"] for row in with_images])}
+
+
+def _mrope_real_positions(batch: TrainBatch, index: torch.Tensor, grids: list,
+                          image_tokens: ImageTokens) -> list[torch.Tensor]:
+    """Each row's ``[3, real tokens]`` M-RoPE positions."""
+    real = batch.attention_mask[index].bool()
+    ids = batch.input_ids[index]
+    return [mrope_position_ids(ids[i][real[i]], grids[i], image_token_id=image_tokens.image_token_id,
+                               spatial_merge_size=image_tokens.spatial_merge_size) for i in range(len(index))]
+
+
+def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device, *,
+             image_tokens: Optional[ImageTokens] = None) -> dict:
     """The padded layout of ``rows`` (see the module docstring)."""
     index = torch.as_tensor(rows, dtype=torch.long)
+    grids, images = _row_images(batch, rows, image_tokens)
+    if image_tokens is None:
+        positions = batch.position_ids[index]
+    else:  # [3, b, S]: each row's real tokens get their M-RoPE positions, padding 0
+        positions = torch.zeros(3, len(rows), batch.attention_mask.shape[1], dtype=torch.long)
+        real = batch.attention_mask[index].bool()
+        for i, row_positions in enumerate(_mrope_real_positions(batch, index, grids, image_tokens)):
+            positions[:, i, real[i]] = row_positions
     mb = {
         "rows": rows,
         "input_ids": batch.input_ids[index].to(device),
-        "position_ids": batch.position_ids[index].to(device),
+        "position_ids": positions.to(device),
         "attention_mask": build_attention_mask(batch.attention_mask[index]).to(device),
         "response_ids": batch.response_ids[index].to(device),
         "response_mask": batch.response_mask[index].to(device).float(),
@@ -140,6 +178,8 @@ def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device) 
         # each row's last real token: prompts end at P - 1 (left padding), responses run on from P
         "last_index": (batch.prompt_ids.shape[1] - 1 + batch.response_mask[index].sum(dim=1)).to(device),
     }
+    if images:
+        mb["images"] = {name: value.to(device) for name, value in images.items()}
     mb.update(_per_token_fields(batch, index, fields, device))
     for name in SEQUENCE_FIELDS:
         if name in fields:
@@ -166,7 +206,8 @@ def _pad_segments(values: torch.Tensor, lengths: list[int], padded: list[int], f
 
 
 def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device, *,
-              pad_to: Optional[int] = None, multiple_of: int = 1, segment_multiple_of: int = 1) -> dict:
+              pad_to: Optional[int] = None, multiple_of: int = 1, segment_multiple_of: int = 1,
+              image_tokens: Optional[ImageTokens] = None) -> dict:
     """The packed (``thd``) layout of ``rows``; ``T`` is ``pad_to`` if given, else the real token count
     rounded up to ``multiple_of``. ``segment_multiple_of`` pads each row at its end (context parallelism
     cuts every segment into ``2 * cp`` chunks); the padding follows the row's real tokens, so no real
@@ -186,13 +227,19 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
                          f"segment of a multiple of {segment_multiple_of}")
     tokens = _pad_segments(batch.input_ids[index][real], real_lens, seq_lens,
                            lambda n, seg: seg.new_zeros(n))
-    positions = _pad_segments(batch.position_ids[index][real], real_lens, seq_lens,
-                              lambda n, seg: seg[-1] + 1 + torch.arange(n, dtype=seg.dtype))
+    grids, images = _row_images(batch, rows, image_tokens)
+    if image_tokens is None:
+        real_positions = batch.position_ids[index][real][:, None]  # [tokens, 1]
+    else:  # [tokens, 3]: M-RoPE's three positions per token
+        real_positions = torch.cat(_mrope_real_positions(batch, index, grids, image_tokens), dim=1).T
+    count_on = lambda n, start: start + torch.arange(n, dtype=torch.long)[:, None].expand(n, real_positions.shape[1])  # noqa: E731
+    positions = _pad_segments(real_positions, real_lens, seq_lens, lambda n, seg: count_on(n, seg[-1:] + 1))
     padding = length - total
     if padding:  # its own segment, so no real token attends to it
         tokens = torch.cat([tokens, tokens.new_zeros(padding)])
-        positions = torch.cat([positions, torch.arange(padding, dtype=positions.dtype)])
+        positions = torch.cat([positions, count_on(padding, 0)])
         seq_lens.append(padding)
+    positions = positions.T[:, None] if image_tokens is not None else positions.T  # [3, 1, T] or [1, T]
     cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.as_tensor(seq_lens, dtype=torch.int32).cumsum(0)
 
@@ -211,7 +258,7 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
     mb = {
         "rows": rows,
         "input_ids": tokens[None].to(device),
-        "position_ids": positions[None].to(device),
+        "position_ids": positions.to(device),
         "attention_mask": None,
         "packed_seq_params": PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
@@ -223,6 +270,8 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
         "response_mask": response_mask.to(device).float(),
         "prompt_len": batch.prompt_ids.shape[1],
     }
+    if images:
+        mb["images"] = {name: value.to(device) for name, value in images.items()}
     mb.update(_per_token_fields(batch, index, fields, device))
     for name in SEQUENCE_FIELDS:
         if name in fields:
@@ -255,6 +304,9 @@ def shard_for_context_parallel(mb: dict, cp_size: int, cp_rank: int) -> dict:
     ``packed_seq_params`` stay those of the full stream. ``cp_bounds`` (segment boundaries of the full
     sequence) lets the per-token results be gathered back."""
     ids, positions = mb["input_ids"], mb["position_ids"]
+    if positions.dim() == 3 or "images" in mb:
+        raise ValueError("context parallelism with a vision-language model is not supported: set "
+                         "context_parallel_size=1")
     out = dict(mb)
     if mb.get("packed_seq_params") is not None:
         bounds = tuple(mb["packed_seq_params"].cu_seqlens_q.tolist())

@@ -7,6 +7,8 @@ test_loss_wiring.py.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from megarl.controller.dispatch import method_spec
 from megarl.controller.roles import start_workers
 from megarl.controller.workers import ActorRolloutRefWorker
 from megarl.run_config import load_config
-from tests.distributed.engines.megatron.test_loss_wiring import _perturbed
+from tests.distributed.engines.megatron.test_loss_wiring import IMAGES_REFUSED, _perturbed
 from tests.numerics import untimed
 from tests.paths import REPO
 
@@ -63,6 +65,10 @@ def test_each_shipped_field_reaches_the_engine_through_the_driver(tmp_path):
         # the teachers' log-probs need distillation's teacher groups, which the in-process backend cannot hold:
         # tests/e2e/trainer/test_distillation_e2e.py takes them through the driver
         for field in set(method_spec(ActorRolloutRefWorker.update_actor).reads) - {"teacher_log_probs"}:
+            if field == "multi_modal_inputs":  # images reach a text model's engine, which refuses them
+                with pytest.raises(Exception, match=re.escape(IMAGES_REFUSED)):
+                    workers.actor.update(_perturbed(batch, field))
+                continue
             metrics = workers.actor.update(_perturbed(batch, field))
             if all(abs(metrics.get(k, 0.0) - base[k]) <= 1e-6 * max(1.0, abs(base[k])) for k in ("pg_loss", "kl_loss", "grad_norm")):
                 unmoved.append(field)

@@ -110,6 +110,71 @@ def megatron_logits(rank: int, hf_dir: str) -> dict:
     return results
 
 
+RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27]]
+
+
+def rollout_batch():
+    """The two rows as prompts (left-padded, as the rollout leaves them) with text responses (right-padded)."""
+    from megarl.batch import TrainBatch
+
+    _, _, pixel_values, grids = padded_batch()
+    prompt_width, response_width = max(map(len, ROWS)), max(map(len, RESPONSES))
+    prompt_ids, prompt_mask = torch.zeros(2, prompt_width, dtype=torch.long), torch.zeros(2, prompt_width)
+    response_ids, response_mask = torch.zeros(2, response_width, dtype=torch.long), torch.zeros(2, response_width)
+    inputs, first_image = [], 0
+    for i, (prompt, response, count) in enumerate(zip(ROWS, RESPONSES, IMAGES_PER_ROW)):
+        prompt_ids[i, prompt_width - len(prompt):], prompt_mask[i, prompt_width - len(prompt):] = torch.tensor(prompt), 1
+        response_ids[i, :len(response)], response_mask[i, :len(response)] = torch.tensor(response), 1
+        images = list(range(first_image, first_image + count))
+        first_image += count
+        inputs.append({"pixel_values": torch.cat([patches_of(j, pixel_values) for j in images]),
+                       "image_grid_thw": grids[images]})
+    return TrainBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask.long(), response_ids=response_ids,
+                      response_mask=response_mask.long(), group_ids=["a", "b"], multi_modal_inputs=inputs)
+
+
+def transformers_response_log_probs(hf_dir: str) -> list[torch.Tensor]:
+    """log p(response token | everything before it), each row alone with its images, by transformers."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    batch, out = rollout_batch(), []
+    for row, (prompt, response) in enumerate(zip(ROWS, RESPONSES)):
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
+                           **batch.multi_modal_inputs[row]).logits[0]
+        predicting = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        out.append(predicting.gather(1, torch.tensor(response)[:, None])[:, 0])
+    return out
+
+
+def engine_log_probs(rank: int, hf_dir: str) -> dict:
+    from megarl.engines.megatron.actor import ReferenceEngine
+    from megarl.engines.megatron.micro_batches import MicroBatching
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.hf_checkpoint import load_hf_weights
+
+    results = {}
+    for label, tp, packing in (("tp1_padded", 1, False), ("tp1_packed", 1, True), ("tp2_packed", 2, True)):
+        layout = ParallelLayout(tensor_parallel=tp)
+        initialize_megatron_parallel(layout=layout, seed=11)
+        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
+        config = bridge.transformer_config(layout=layout, perform_initialization=False)
+
+        def provide(pre_process, post_process, vp_stage=None):
+            return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process)
+
+        engine = ReferenceEngine(model_provider=provide, config=config, micro_batch_size=2,
+                                 vocab_size=bridge.dims.vocab_size,
+                                 micro_batching=MicroBatching(sequence_packing=packing))
+        load_hf_weights(engine.model, hf_dir, bridge)
+        results[label] = engine.compute_log_probs(rollout_batch())[0]
+    return results
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_tiny_vl_checkpoint(tmp_path_factory.mktemp("tiny_vl") / "hf", seed=5)
@@ -148,3 +213,16 @@ def test_the_bridge_names_every_vision_tensor_and_maps_it_both_ways(checkpoint):
                                                       pre_process=False) is None for n in vision)
     assert all(bridge.global_to_local_name(n, layer_offset=0, num_layers_this_stage=2, pre_process=True,
                                            post_process=False) == n for n in vision)
+
+
+@pytest.mark.timeout(300)
+def test_the_engine_scores_responses_to_images_like_transformers_padded_and_packed(checkpoint):
+    reference = transformers_response_log_probs(checkpoint)
+    per_rank = run_distributed(engine_log_probs, 2, checkpoint, timeout_s=240)
+    for rank, results in enumerate(per_rank):
+        for label, log_probs in results.items():
+            for row, want in enumerate(reference):
+                got = log_probs[row, :len(want)]
+                # log-probs of fp32 logits: an error of the logits' size, relative to the log-sum-exp's (~log V)
+                torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0,
+                                           msg=lambda m: f"rank {rank} {label} row {row}: {m}")

@@ -68,8 +68,16 @@ CRITIC_OPTIONS = {
 }
 
 
+# A text model given images must refuse them (the vision-language engine test, tests/distributed/models/
+# test_vision_language.py, shows a VL model's images reach its log-probs): that refusal is what shows it reads them.
+IMAGES_REFUSED = "the batch carries images (multi_modal_inputs) but the model is text-only"
+
+
 def _perturbed(batch: TrainBatch, field: str) -> TrainBatch:
     g = torch.Generator().manual_seed(7)
+    if field == "multi_modal_inputs":
+        image = {"pixel_values": torch.zeros(4, 1176), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+        return dataclasses.replace(batch, multi_modal_inputs=[image] + [None] * (len(batch) - 1))
     value = getattr(batch, field).clone()
     real = batch.response_mask.bool()
     if field == "prompt_ids":
@@ -145,7 +153,10 @@ def _sweep(update, batch, base: dict, options: dict, method: str) -> dict:
         if extra:
             results[f"option:{option}:reference"] = update(batch, **extra)
     for field in method_spec(method).reads:
-        results[f"field:{field}"] = update(_perturbed(batch, field))
+        try:
+            results[f"field:{field}"] = update(_perturbed(batch, field))
+        except ValueError as error:
+            results[f"field:{field}"] = {"refused": str(error)}
     results["read"] = _record_reads(update, batch)
     return results
 
@@ -243,7 +254,12 @@ def test_each_loss_option_reaches_the_loss_and_shows_in_its_metric(wiring, role,
 
 @pytest.mark.parametrize("role, field", [(r, f) for r in sorted(ROLES) for f in method_spec(ROLES[r][0]).reads])
 def test_each_shipped_field_reaches_the_loss(wiring, role, field):
-    assert _moved(wiring[role]["base"], wiring[role][f"field:{field}"], ROLES[role][5]), (role, field)
+    result = wiring[role][f"field:{field}"]
+    if field == "multi_modal_inputs":
+        assert IMAGES_REFUSED in result.get("refused", ""), (role, result)
+        return
+    assert "refused" not in result, (role, field, result)
+    assert _moved(wiring[role]["base"], result, ROLES[role][5]), (role, field)
 
 
 @pytest.mark.parametrize("role", sorted(ROLES))
