@@ -100,3 +100,16 @@ def read_rope(hf: Any) -> dict[str, Any]:
     if "rope_theta" not in rope:
         rope["rope_theta"] = getattr(hf, "rope_theta", 10000.0)
     return rope
+
+
+def is_vision_language(hf: Any) -> bool:
+    """Whether a config describes a vision-language model (a ``vision_config`` beside its text model)."""
+    return getattr(hf, "vision_config", None) is not None
+
+
+def auto_model_class(hf: Any):
+    """transformers' auto class that builds ``hf``'s generating model: image-text-to-text for a vision-language
+    config (``AutoModelForCausalLM`` refuses those), causal LM otherwise."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText if is_vision_language(hf) else transformers.AutoModelForCausalLM

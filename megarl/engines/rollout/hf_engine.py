@@ -6,8 +6,11 @@ from exactly the distribution it was drawn from, and so that seeding is explicit
 per `generate` call, consumed in a fixed order, makes a call reproducible for the same inputs.
 
 Batching: prompts are left-padded, each repeated `n` times; rows that finished keep being fed a pad id
-and are ignored. Leaves out: speculative decoding, continuous batching, paged KV cache, tensor
-parallelism (use the vLLM engine for throughput).
+and are ignored. A vision-language model (Qwen2.5-VL) takes each prompt's images (``multi_modal_inputs``) in the
+prefill, with M-RoPE positions placed as the trainer places them (:mod:`megarl.models.vision_language`); each
+generated token then counts on from its row's largest position, and the image placeholder token is never sampled
+(it would stand for an image nobody gave; a trained model gives it ~0 probability anyway). Leaves out: speculative decoding, continuous
+batching, paged KV cache, tensor parallelism (use the vLLM engine for throughput).
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ class HFRolloutEngine(RolloutEngine):
     ) -> None:
         """`return_routed_experts`: an MoE model's outputs carry the experts its routers chose per token
         (`RolloutOutput.routed_experts`, for routing replay in the trainer)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
+
+        from megarl.models.hf_config import auto_model_class, is_vision_language
+        from megarl.models.vision_language import ImageTokens
 
         if not os.path.isdir(model_path):
             raise FileNotFoundError(f"HFRolloutEngine: model_path {model_path!r} is not a directory")
@@ -81,15 +87,18 @@ class HFRolloutEngine(RolloutEngine):
             dtype = _DTYPES[dtype]
         self.device = torch.device(device)
         extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        config = AutoConfig.from_pretrained(model_path)
+        model_class = auto_model_class(config)
         if load_format == "dummy":  # random weights, to be replaced by the first weight update (vLLM's meaning)
-            config = AutoConfig.from_pretrained(model_path)
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
+            self.model = model_class.from_config(config, dtype=dtype, **extra)
         elif load_format == "auto":
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra)
+            self.model = model_class.from_pretrained(model_path, dtype=dtype, **extra)
         else:
             raise ValueError(f"HFRolloutEngine: load_format {load_format!r}; expected 'auto' or 'dummy'")
         self.model = self.model.to(self.device).eval()
-        self.vocab_size = self.model.config.vocab_size
+        self.vocab_size = self.model.config.get_text_config().vocab_size
+        self.image_tokens = (ImageTokens(config.image_token_id, config.vision_config.spatial_merge_size)
+                             if is_vision_language(config) else None)
         self.eos_token_ids = self._collect_eos_ids()
         self.pad_token_id = self._choose_pad_id()
         self._tokenizer_path = tokenizer_path or model_path
@@ -97,6 +106,7 @@ class HFRolloutEngine(RolloutEngine):
         # Both the canonical and the tied alias names map to the same Parameter, so an `lm_head.weight`
         # arriving for a tied model lands in the shared embedding instead of raising "unknown name".
         self._params_by_name = dict(self.model.named_parameters(remove_duplicate=False))
+        self._params_by_name.update(_checkpoint_names(self.model))
         self._update_open = False
         self._updated_names: set[str] = set()
         self._asleep = False
@@ -130,9 +140,15 @@ class HFRolloutEngine(RolloutEngine):
     # ------------------------------------------------------------------ generation
 
     @torch.inference_mode()
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 multi_modal_inputs: list[dict | None] | None = None) -> list[RolloutOutput]:
         self._check_ready("generate")
         validate_prompts(prompt_token_ids, self.vocab_size)
+        if multi_modal_inputs is not None and len(multi_modal_inputs) != len(prompt_token_ids):
+            raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for "
+                             f"{len(prompt_token_ids)} prompts")
+        if multi_modal_inputs is not None and any(multi_modal_inputs) and self.image_tokens is None:
+            raise ValueError(f"prompts with images, but {type(self.model).__name__} is a text-only model")
         if sampling.stop and self._load_tokenizer() is None:
             raise ValueError(f"SamplingConfig.stop={sampling.stop!r} needs a tokenizer; none found at "
                              f"{self._tokenizer_path!r}")
@@ -159,15 +175,31 @@ class HFRolloutEngine(RolloutEngine):
         step_ids = input_ids
         routed: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
         fed_real = attention_mask.bool()  # which of the tokens fed this step are real (not padding)
-        for _ in range(sampling.max_tokens):
-            position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        prefill_images, next_position = {}, None
+        if self.image_tokens is not None:  # M-RoPE: [3, rows, P] for the prompts, then one more per token
+            row_inputs = [None if multi_modal_inputs is None else multi_modal_inputs[index] for index, _ in rows]
+            prefill_positions, prefill_images = self._image_prefill(input_ids, attention_mask, row_inputs)
+            next_position = prefill_positions.amax(dim=(0, 2)) + 1
+        for step in range(sampling.max_tokens):
+            if next_position is None:
+                position_ids = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            elif step == 0:
+                position_ids = prefill_positions
+            else:
+                position_ids = next_position[None, :, None].expand(3, -1, 1)
+                next_position = next_position + 1
             out = self.model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past, use_cache=True, logits_to_keep=1)
+                             past_key_values=past, use_cache=True, logits_to_keep=1,
+                             **(prefill_images if step == 0 else {}))
             past = out.past_key_values
             if self._routing is not None:
                 for row, ids in enumerate(self._routed_this_step(num_rows, fed_real)):
                     routed[row].append(ids)
-            token_log_probs = process_logits(out.logits[:, -1, :], sampling)
+            logits = out.logits[:, -1, :]
+            if self.image_tokens is not None:  # a sampled placeholder would ask for an image nobody gave
+                logits = logits.clone()
+                logits[:, self.image_tokens.image_token_id] = float("-inf")
+            token_log_probs = process_logits(logits, sampling)
             if sampling.is_greedy:
                 next_ids = token_log_probs.argmax(dim=-1)
             elif row_generators is not None:
@@ -203,6 +235,23 @@ class HFRolloutEngine(RolloutEngine):
             for r in range(num_rows)
         ]
 
+    def _image_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       row_inputs: list[dict | None]) -> tuple[torch.Tensor, dict]:
+        """M-RoPE positions ``[3, rows, P]`` of the left-padded prompts, and the images for the model."""
+        from megarl.models.vision_language import batch_mrope_position_ids
+
+        with_images = [inputs for inputs in row_inputs if inputs is not None]
+        grids = torch.cat([inputs["image_grid_thw"] for inputs in with_images]) if with_images else None
+        counts = [0 if inputs is None else len(inputs["image_grid_thw"]) for inputs in row_inputs]
+        positions = batch_mrope_position_ids(input_ids, attention_mask, grids, counts,
+                                             image_token_id=self.image_tokens.image_token_id,
+                                             spatial_merge_size=self.image_tokens.spatial_merge_size)
+        if not with_images:
+            return positions, {}
+        pixels = torch.cat([inputs["pixel_values"] for inputs in with_images])
+        return positions, {"pixel_values": pixels.to(self.device), "image_grid_thw": grids.to(self.device),
+                           "mm_token_type_ids": (input_ids == self.image_tokens.image_token_id).int()}
+
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -218,7 +267,8 @@ class HFRolloutEngine(RolloutEngine):
 
     def _collect_eos_ids(self) -> set[int]:
         ids: set[int] = set()
-        for source in (self.model.config, getattr(self.model, "generation_config", None)):
+        for source in (self.model.config, self.model.config.get_text_config(),
+                       getattr(self.model, "generation_config", None)):
             eos = getattr(source, "eos_token_id", None) if source is not None else None
             if eos is None:
                 continue
@@ -365,3 +415,18 @@ class HFRolloutEngine(RolloutEngine):
         if self._update_open:
             raise RuntimeError(f"HFRolloutEngine.{what} called during a weight update; "
                                "call finish_weight_update() first")
+
+
+def _checkpoint_names(model) -> dict[str, torch.nn.Parameter]:
+    """The checkpoint's name for each parameter transformers renames in memory (Qwen2.5-VL's
+    ``model.language_model.*`` is ``model.*`` on disk, ``model.visual.*`` is ``visual.*``): weight sync sends
+    checkpoint names. Tensors transformers fuses in memory (MoE experts) are found by ``_fused_expert_slice``."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: in memory as on disk
+        return {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_identity = {id(param): param for param in params.values()}
+    reverted = revert_weight_conversion(model, dict(params))
+    return {name: by_identity[id(tensor)] for name, tensor in reverted.items()
+            if id(tensor) in by_identity and name not in params}

@@ -60,10 +60,13 @@ def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> 
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files and not weights_on_disk:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
+        from megarl.models.hf_config import auto_model_class
+
+        config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+            model = auto_model_class(config).from_config(config)
         state = model.state_dict()
         try:  # transformers 5 fuses some tensors in memory (MoE experts); a checkpoint, and the sync, name them apart
             from transformers.core_model_loading import revert_weight_conversion
@@ -72,7 +75,7 @@ def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> 
         except ImportError:  # transformers 4: in memory as on disk
             pass
         return {name: tuple(param.shape) for name, param in state.items()
-                if not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+                if not (name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))}
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in model dir {model_path!r}")
     shapes: dict[str, tuple[int, ...]] = {}

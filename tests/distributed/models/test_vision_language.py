@@ -226,3 +226,36 @@ def test_the_engine_scores_responses_to_images_like_transformers_padded_and_pack
                 # log-probs of fp32 logits: an error of the logits' size, relative to the log-sum-exp's (~log V)
                 torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0,
                                            msg=lambda m: f"rank {rank} {label} row {row}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_the_hf_rollout_engine_samples_from_the_images_with_the_log_probs_a_whole_forward_gives(checkpoint):
+    """The engine's KV-cached decoding (images in the prefill, positions counting on past each row's largest)
+    scores each sampled token as transformers' forward of the whole prompt + response does."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from megarl.engines.rollout.base import SamplingConfig
+    from megarl.engines.rollout.hf_engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(checkpoint)
+    inputs = rollout_batch().multi_modal_inputs
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=6, logprobs=True, seed=3, ignore_eos=True)
+    outputs = engine.generate([list(r) for r in ROWS], sampling, multi_modal_inputs=inputs)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    for output in outputs:
+        prompt = ROWS[output.prompt_index]
+        ids = torch.tensor([prompt + output.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
+                           **inputs[output.prompt_index]).logits[0]
+        assert IMAGE not in output.token_ids  # never sampled: it would stand for an image nobody gave
+        logits[:, IMAGE] = float("-inf")  # the distribution the engine samples from
+        want = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(output.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(output.log_probs), want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    # the images reach the samples: other pixels, other log-probs of the same tokens
+    blank = [{**row, "pixel_values": torch.zeros_like(row["pixel_values"])} for row in inputs]
+    again = engine.generate([list(r) for r in ROWS], sampling, multi_modal_inputs=inputs)
+    other = engine.generate([list(r) for r in ROWS], sampling, multi_modal_inputs=blank)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]  # seeded: the same samples
+    assert any(o.token_ids != b.token_ids or o.log_probs != b.log_probs for o, b in zip(outputs, other))
