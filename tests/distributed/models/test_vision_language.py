@@ -175,6 +175,48 @@ def engine_log_probs(rank: int, hf_dir: str) -> dict:
     return results
 
 
+def synced_logits(rank: int, hf_dir: str):
+    """Megatron at TP=2 with every weight moved (the vision tower's too), synced into an HF rollout engine: the
+    trainer's and the engine's logits of the padded image batch, and how many tensors the sync moved."""
+    import zlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.engines.rollout.hf_engine import HFRolloutEngine
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.hf_checkpoint import load_hf_weights
+    from megarl.models.vision_language import batch_mrope_position_ids
+    from megarl.weight_sync import ColocatedTransport, sync_weights
+
+    layout = ParallelLayout(tensor_parallel=2)
+    initialize_megatron_parallel(layout=layout, seed=11)
+    bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
+    model = bridge.build_model(config=bridge.transformer_config(layout=layout), pre_process=True,
+                               post_process=True).eval()
+    load_hf_weights([model], hf_dir, bridge)
+    with torch.no_grad():  # noise seeded by name: a replicated weight moves alike on both TP ranks
+        for name, param in model.named_parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
+    engine = HFRolloutEngine(hf_dir)
+    stats = sync_weights([model], bridge, ColocatedTransport(engine), bucket_bytes=64 * 1024)
+    input_ids, mask, pixel_values, grids = padded_batch()
+    positions = batch_mrope_position_ids(input_ids, mask, grids, IMAGES_PER_ROW, image_token_id=IMAGE,
+                                         spatial_merge_size=MERGE)
+    width = input_ids.shape[1]
+    attention = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None] | (mask == 0)[:, None, None, :]
+    with torch.no_grad():
+        trainer = model(input_ids, positions, attention, pixel_values=pixel_values, image_grid_thw=grids).contiguous()
+        parts = [torch.empty_like(trainer) for _ in range(2)]
+        dist.all_gather(parts, trainer, group=mpu.get_tensor_model_parallel_group())
+        trainer = torch.cat(parts, dim=-1)[..., :bridge.dims.vocab_size]
+        rollout = engine.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                               pixel_values=pixel_values, image_grid_thw=grids,
+                               mm_token_type_ids=(input_ids == IMAGE).int()).logits
+    return trainer, rollout, stats.num_tensors
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_tiny_vl_checkpoint(tmp_path_factory.mktemp("tiny_vl") / "hf", seed=5)
@@ -259,3 +301,20 @@ def test_the_hf_rollout_engine_samples_from_the_images_with_the_log_probs_a_whol
     other = engine.generate([list(r) for r in ROWS], sampling, multi_modal_inputs=blank)
     assert [o.token_ids for o in again] == [o.token_ids for o in outputs]  # seeded: the same samples
     assert any(o.token_ids != b.token_ids or o.log_probs != b.log_probs for o, b in zip(outputs, other))
+
+
+@pytest.mark.timeout(300)
+def test_a_weight_sync_moves_every_part_of_the_model_into_the_rollout_engine(checkpoint):
+    from megarl.models.bridge import ModelBridge
+
+    _, mask, _, _ = padded_batch()
+    before = transformers_logits(checkpoint)
+    tensors = len(list(ModelBridge.from_hf_config(checkpoint, spec="local").iter_hf_names()))
+    for rank, (trainer, rollout, moved) in enumerate(run_distributed(synced_logits, 2, checkpoint, timeout_s=240)):
+        assert moved == tensors, (moved, tensors)  # the vision tower's tensors among them
+        for row in range(len(ROWS)):
+            real = mask[row].bool()
+            want = trainer[row][real]
+            torch.testing.assert_close(rollout[row][real], want, atol=1e-5 * float(want.abs().max()), rtol=0,
+                                       msg=lambda m: f"rank {rank} row {row}: {m}")
+            assert (rollout[row][real] - before[row]).abs().max() > 1e-2  # the sync changed the engine's model
