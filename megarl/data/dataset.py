@@ -16,9 +16,12 @@ the rollout batch pads prompt and response once, to the configured widths). Samp
 
 With ``tools`` (function schemas; multi-turn rollouts) the chat template renders them into each prompt.
 
-Left out: expanding `<image>` into a vision model's image tokens (the model's processor does that; no
-vision-language model is built yet, so the trainer refuses image rows), lazy/streaming reading of datasets
-larger than memory.
+With ``vision`` (a vision-language model's :class:`~megarl.data.vision_inputs.VisionTokens`) each `<image>` becomes
+the model's image tokens, as many as the image's size gives (:mod:`megarl.data.vision_inputs`), so a prompt's
+length counts its images; the pixels are made when a batch is generated for. Without it, image rows are read and
+checked only with ``allow_images`` (the data tools), and refused otherwise.
+
+Left out: lazy/streaming reading of datasets larger than memory.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from typing import Any, Sequence
 
 import pyarrow.parquet as pq
 
-from megarl.data.images import check_one_placeholder_per_image, count_placeholders, open_image, read_image_entries
+from megarl.data.images import (IMAGE_PLACEHOLDER, check_one_placeholder_per_image, count_placeholders, open_image,
+                                read_image_entries)
+from megarl.data.vision_inputs import IMAGE_IN_TEXT, expand_image_pads, image_grid
 
 REQUIRED_COLUMNS = ("reward_model",)
 TRUNCATION_MODES = ("error", "left", "right")
@@ -53,6 +58,7 @@ class PromptItem:
     source_file: str = ""
     source_row: int = -1
     images: list[dict[str, Any]] = field(default_factory=list)  # {bytes, path} entries, in placeholder order
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # with `vision`: each image's patch grid
 
 
 @dataclass
@@ -68,6 +74,7 @@ class PromptBatch:
     indices: list[int]
     reward_styles: list[str | None] = field(default_factory=list)
     images: list[list[dict[str, Any]]] = field(default_factory=list)
+    image_grids: list[list[tuple[int, int, int]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -89,6 +96,7 @@ class RLDataset:
         default_data_source: str = DEFAULT_DATA_SOURCE,
         tools: list[dict] | None = None,
         allow_images: bool = False,
+        vision: Any = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -105,7 +113,8 @@ class RLDataset:
         self.apply_chat_template = apply_chat_template
         self.default_data_source = default_data_source
         self.tools = tools  # function schemas the chat template renders into the prompt (multi-turn rollouts)
-        self.allow_images = allow_images
+        self.vision = vision  # VisionTokens of a vision-language model: image rows get its image tokens
+        self.allow_images = allow_images or vision is not None
         self.items: list[PromptItem] = []
         self.filtered_rows: list[tuple[str, int, int]] = []  # (file, row, token length) of each dropped prompt
         for path in self.files:
@@ -149,8 +158,8 @@ class RLDataset:
                 zip(prompts, reward_models, sources, extras, images)):
             where = f"{path} row {row}"
             ground_truth, style = _read_reward_model(reward_model, where)
-            image_entries = self._read_images(row_images, prompt, where, path.parent)
-            input_ids = self._tokenize(prompt, where)
+            image_entries, grids = self._read_images(row_images, prompt, where, path.parent)
+            input_ids = self._tokenize(prompt, where, grids)
             if len(input_ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:
                     self.filtered_rows.append((str(path), row, len(input_ids)))
@@ -169,6 +178,7 @@ class RLDataset:
                     source_file=str(path),
                     source_row=row,
                     images=image_entries,
+                    image_grids=grids,
                 )
             )
         if file_filtered:
@@ -180,26 +190,34 @@ class RLDataset:
                 stacklevel=3,
             )
 
-    def _read_images(self, value: Any, prompt: Any, where: str, base_dir: Path) -> list[dict[str, Any]]:
-        """The row's images, each decoded once here so a broken one is named before training starts. Without
-        an images column (or with a null cell) a row is text, whatever its prompt says."""
+    def _read_images(self, value: Any, prompt: Any, where: str,
+                     base_dir: Path) -> tuple[list[dict[str, Any]], list[tuple[int, int, int]]]:
+        """The row's images, each decoded once here so a broken one is named before training starts, and (with
+        ``vision``) their patch grids. Without an images column (or with a null cell) a row is text, whatever its
+        prompt says."""
         if value is None:
-            return []
+            return [], []
         entries = read_image_entries(value, where)
         placeholders = count_placeholders(prompt)
         if not entries and not placeholders:
-            return []
+            return [], []
         if not self.allow_images:
             raise ValueError(f"{where}: a multimodal prompt ({len(entries)} image(s), {placeholders} '<image>' "
-                             f"placeholder(s)), and megarl has no vision-language model yet: use a text dataset")
+                             f"placeholder(s)) for a text-only model: use a vision-language model "
+                             f"(Qwen2.5-VL) or a text dataset")
         check_one_placeholder_per_image(entries, prompt, where)
+        grids = []
         for i, entry in enumerate(entries):
-            open_image(entry, f"{where} images[{i}]", base_dir=base_dir)
+            image = open_image(entry, f"{where} images[{i}]", base_dir=base_dir)
+            if self.vision is not None:
+                grids.append(image_grid(image.height, image.width, self.vision))
             if entry["bytes"] is None and not Path(entry["path"]).is_absolute():  # relative to the parquet file
                 entry["path"] = str(base_dir / entry["path"])
-        return entries
+        return entries, grids
 
-    def _tokenize(self, prompt: Any, where: str) -> list[int]:
+    def _tokenize(self, prompt: Any, where: str, grids: Sequence[tuple[int, int, int]] = ()) -> list[int]:
+        if grids:  # each <image> becomes the model's image tokens, one pad per image to grow below
+            prompt = _with_image_tokens(prompt)
         if self.apply_chat_template:
             messages = _check_messages(prompt, self.prompt_key, where)
             # Render to text, then tokenize without extra special tokens: the template already placed them,
@@ -213,7 +231,8 @@ class RLDataset:
                     f"got {type(prompt).__name__}"
                 )
             text = prompt
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return expand_image_pads(ids, grids, self.vision, where) if grids else ids
 
     def _truncate(self, input_ids: list[int], where: str) -> list[int]:
         if self.truncation == "error":
@@ -242,7 +261,16 @@ def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
         indices=[item.index for item in items],
         reward_styles=[item.reward_style for item in items],
         images=[list(item.images) for item in items],
+        image_grids=[list(item.image_grids) for item in items],
     )
+
+
+def _with_image_tokens(prompt: Any) -> Any:
+    """The prompt (text or chat messages) with each ``<image>`` written as the model's image tokens."""
+    if isinstance(prompt, str):
+        return prompt.replace(IMAGE_PLACEHOLDER, IMAGE_IN_TEXT)
+    return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, IMAGE_IN_TEXT)}
+            if isinstance(m, dict) and isinstance(m.get("content"), str) else m for m in prompt]
 
 
 def _check_messages(prompt: Any, key: str, where: str) -> list[dict[str, str]]:

@@ -104,7 +104,7 @@ def test_image_rows_are_checked_and_named(tmp_path, tokenizer):
     good = _image_rows(tmp_path / "good.parquet", ["<image>how many?"], [[{"bytes": None, "path": "pics/a.png"}]])
     item = RLDataset(good, tokenizer, max_prompt_length=512, allow_images=True)[0]
     assert item.images[0]["path"] == str(tmp_path / "pics" / "a.png")  # relative to the parquet file
-    with pytest.raises(ValueError, match=r"good.parquet row 0: a multimodal prompt .*no vision-language model"):
+    with pytest.raises(ValueError, match=r"good.parquet row 0: a multimodal prompt .*for a text-only model"):
         RLDataset(good, tokenizer, max_prompt_length=512)  # what the trainer asks for: no VLM is built yet
     text = tmp_path / "text.parquet"  # no images column: a literal <image> in a text prompt is just text
     pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "what does <image> mean in HTML?"}]],

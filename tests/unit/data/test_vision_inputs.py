@@ -42,3 +42,27 @@ def test_the_models_tokens_and_pixel_bounds_are_read_from_its_files(tmp_path):
     assert VisionTokens.of_model(tmp_path) == VisionTokens(151655, 151652, 151653, max_pixels=12845056)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert VisionTokens.of_model(tmp_path) is None
+
+
+def test_a_vision_language_dataset_writes_each_image_as_its_tokens_and_counts_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megarl.data.dataset import RLDataset, collate_prompts
+    from megarl.data.shapes_task import write_shapes_dataset
+    from megarl.data.tokenizer import write_local_tokenizer
+    from megarl.data.vision_inputs import IMAGE_PAD, VISION_END, VISION_START
+
+    tokenizer = AutoTokenizer.from_pretrained(write_local_tokenizer(tmp_path / "tok"))
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+    vision = VisionTokens(*tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END]))
+    train, _ = write_shapes_dataset(tmp_path, n_train=4, n_val=2, seed=1)
+    dataset = RLDataset(train, tokenizer, max_prompt_length=512, vision=vision)
+    text = RLDataset(train, tokenizer, max_prompt_length=512, allow_images=True)  # <image> left as text
+    batch = collate_prompts(dataset.items)
+    assert batch.image_grids == [[(1, 4, 4)]] * 4  # 64 x 64 pictures: 56 x 56 pixels, 4 x 4 patches, 4 tokens
+    for ids, plain in zip(batch.prompt_ids, collate_prompts(text.items).prompt_ids):
+        start = ids.index(vision.vision_start_id)
+        assert ids[start:start + 6] == [vision.vision_start_id] + [vision.image_pad_id] * 4 + [vision.vision_end_id]
+        assert len(ids) == len(plain) - len("<image>") + 6  # the character tokenizer spelled <image> out
+    tight = len(batch.prompt_ids[0]) - 1  # one token short of the first prompt: its images count
+    assert len(RLDataset(train, tokenizer, max_prompt_length=tight, vision=vision).filtered_rows) >= 1
