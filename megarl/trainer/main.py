@@ -116,6 +116,18 @@ def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Pat
             f"  checkpoints: {out_dir / 'checkpoints'} ({saves})")
 
 
+def refuse_vision_language(model_path) -> None:
+    """A vision-language policy is refused before anything starts: its engines, HF rollout and weight sync exist,
+    the trainer's path from images to rollouts does not yet (issue 42)."""
+    from megarl.config import ConfigError
+    from megarl.data.vision_inputs import VisionTokens
+
+    if Path(model_path).is_dir() and VisionTokens.of_model(model_path) is not None:
+        raise ConfigError(f"actor_rollout_ref.model.path={str(model_path)!r} is a vision-language model: megarl "
+                          f"builds it (Megatron engines, HF rollout, weight sync) but does not train it end to end "
+                          f"yet (images from the dataset to the rollout); use a text model")
+
+
 def run(cfg: MegarlConfig) -> list[dict]:
     """Train to the end of ``cfg``; returns the per-step metric history."""
     from transformers import AutoTokenizer
@@ -131,6 +143,7 @@ def run(cfg: MegarlConfig) -> list[dict]:
     t = cfg.trainer
     check_trackers_installed(t.logger)  # before minutes of data loading, not after
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    refuse_vision_language(model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable else None

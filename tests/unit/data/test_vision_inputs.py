@@ -1,29 +1,22 @@
-"""A vision-language prompt's image tokens and pixels (megarl.data.vision_inputs) against transformers' Qwen2-VL
-image processor, the one vLLM and transformers use."""
+"""A vision-language prompt's image tokens (megarl.data.vision_inputs), the dataset that writes them, and the
+trainer's refusal of a VL policy for now. Against transformers' image processor (4 s to import, so not in this
+tier): tests/distributed/data/test_vision_processor.py."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from PIL import Image
-
-from megarl.data.vision_inputs import VisionTokens, expand_image_pads, image_grid, pixel_inputs
+from megarl.data.vision_inputs import VisionTokens, expand_image_pads, image_grid
 
 TOKENS = VisionTokens(image_pad_id=7, vision_start_id=5, vision_end_id=6)
 
 
-@pytest.mark.parametrize("width,height", [(100, 60), (28, 28), (20, 900), (3000, 2000), (640, 480), (57, 1130)])
-def test_the_grid_from_the_size_alone_is_the_image_processors(width, height):
-    image = Image.new("RGB", (width, height))
-    grid = TOKENS.image_processor()(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
-    assert tuple(grid) == image_grid(height, width, TOKENS)
-
-
-def test_pixels_come_with_their_grids_and_patch_rows():
-    out = pixel_inputs([Image.new("RGB", (100, 60)), Image.new("RGB", (300, 300))], TOKENS)
-    assert out["image_grid_thw"].tolist() == [[1, 4, 8], [1, 22, 22]]
-    assert tuple(out["pixel_values"].shape) == (4 * 8 + 22 * 22, 3 * 2 * 14 * 14)
+@pytest.mark.parametrize("width,height,grid", [(64, 64, (1, 4, 4)), (100, 60, (1, 4, 8)), (300, 300, (1, 22, 22)),
+                                             (20, 900, (1, 64, 2)), (3000, 2000, (1, 58, 86))])
+def test_an_images_grid_follows_from_its_size(width, height, grid):
+    # transformers' processor agrees on these and many more: tests/distributed/data/test_vision_processor.py
+    assert image_grid(height, width, TOKENS) == grid
 
 
 def test_each_image_pad_grows_to_its_images_token_count():
@@ -55,14 +48,28 @@ def test_a_vision_language_dataset_writes_each_image_as_its_tokens_and_counts_th
     tokenizer = AutoTokenizer.from_pretrained(write_local_tokenizer(tmp_path / "tok"))
     tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
     vision = VisionTokens(*tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END]))
-    train, _ = write_shapes_dataset(tmp_path, n_train=4, n_val=2, seed=1)
+    train, _ = write_shapes_dataset(tmp_path, n_train=2, n_val=1, seed=1)
     dataset = RLDataset(train, tokenizer, max_prompt_length=512, vision=vision)
-    text = RLDataset(train, tokenizer, max_prompt_length=512, allow_images=True)  # <image> left as text
     batch = collate_prompts(dataset.items)
-    assert batch.image_grids == [[(1, 4, 4)]] * 4  # 64 x 64 pictures: 56 x 56 pixels, 4 x 4 patches, 4 tokens
-    for ids, plain in zip(batch.prompt_ids, collate_prompts(text.items).prompt_ids):
+    assert batch.image_grids == [[(1, 4, 4)]] * 2  # 64 x 64 pictures: 56 x 56 pixels, 4 x 4 patches, 4 tokens
+    for ids, messages in zip(batch.prompt_ids, batch.raw_prompts):
         start = ids.index(vision.vision_start_id)
         assert ids[start:start + 6] == [vision.vision_start_id] + [vision.image_pad_id] * 4 + [vision.vision_end_id]
-        assert len(ids) == len(plain) - len("<image>") + 6  # the character tokenizer spelled <image> out
-    tight = len(batch.prompt_ids[0]) - 1  # one token short of the first prompt: its images count
-    assert len(RLDataset(train, tokenizer, max_prompt_length=tight, vision=vision).filtered_rows) >= 1
+        question = tokenizer(messages[0]["content"].replace("<image>", ""), add_special_tokens=False)["input_ids"]
+        assert ids[start + 6:start + 6 + len(question)] == question  # then the question's own tokens
+    tight = min(len(ids) for ids in batch.prompt_ids) - 1  # one token short of the shortest: its image counts
+    with pytest.raises(ValueError, match=f"all 2 rows are longer than max_prompt_length={tight}"):
+        RLDataset(train, tokenizer, max_prompt_length=tight, vision=vision)
+
+
+def test_the_trainer_refuses_a_vision_language_policy_before_starting_naming_the_key(tmp_path):
+    from megarl.config import ConfigError
+    from megarl.trainer.main import refuse_vision_language
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2_5_vl", "image_token_id": 9, "vision_start_token_id": 7, "vision_end_token_id": 8,
+        "vision_config": {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}))
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.* is a vision-language model"):
+        refuse_vision_language(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    refuse_vision_language(tmp_path)
