@@ -108,14 +108,22 @@ def save_tiny_vl_checkpoint(out_dir: str | os.PathLike, *, seed: int, max_shard_
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32,
                                                                          attn_implementation="eager")
+    norms = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")
+    _redraw(model, seed, lambda name, shape, g: (1.0 if name.endswith(norms) else 0.0) + 0.1 * torch.randn(shape, generator=g))
+    return _save(model, out_dir, max_shard_size)
+
+
+def _redraw(model, seed: int, draw) -> None:
+    """Each parameter for which ``draw(name, shape, generator)`` gives a tensor takes it (None: left as is)."""
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("norm1.weight") or name.endswith("norm2.weight") \
-                    or name.endswith("ln_q.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            else:
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            value = draw(name, param.shape, generator)
+            if value is not None:
+                param.copy_(value)
+
+
+def _save(model, out_dir: str | os.PathLike, max_shard_size: str) -> str:
     out_dir = os.fspath(out_dir)
     model.eval().save_pretrained(out_dir, max_shard_size=max_shard_size)
     return out_dir
@@ -123,10 +131,7 @@ def save_tiny_vl_checkpoint(out_dir: str | os.PathLike, *, seed: int, max_shard_
 
 def save_tiny_hf_checkpoint(arch: str, out_dir: str | os.PathLike, *, seed: int, max_shard_size: str = "60KB",
                             **overrides: Any) -> str:
-    model = build_tiny_hf_model(arch, seed=seed, **overrides)
-    out_dir = os.fspath(out_dir)
-    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
-    return out_dir
+    return _save(build_tiny_hf_model(arch, seed=seed, **overrides), out_dir, max_shard_size)
 
 
 def save_tiny_reward_model(arch: str, out_dir: str | os.PathLike, *, seed: int, max_shard_size: str = "60KB",
@@ -141,13 +146,11 @@ def save_tiny_reward_model(arch: str, out_dir: str | os.PathLike, *, seed: int, 
     torch.manual_seed(seed)
     model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32,
                                                                         attn_implementation="eager")
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            elif name == "score.weight":
-                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
-    out_dir = os.fspath(out_dir)
-    model.eval().save_pretrained(out_dir, max_shard_size=max_shard_size)
-    return out_dir
+
+    def draw(name, shape, generator):
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        return 0.2 * torch.randn(shape, generator=generator) if name == "score.weight" else None
+
+    _redraw(model, seed, draw)
+    return _save(model, out_dir, max_shard_size)
