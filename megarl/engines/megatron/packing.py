@@ -155,6 +155,11 @@ def _mrope_real_positions(batch: TrainBatch, index: torch.Tensor, grids: list,
                                spatial_merge_size=image_tokens.spatial_merge_size) for i in range(len(index))]
 
 
+def _counting_on(n: int, start, width: int) -> torch.Tensor:
+    """``[n, width]`` positions ``start, start + 1, ...`` on every axis (padding after a segment, or alone)."""
+    return start + torch.arange(n, dtype=torch.long)[:, None].expand(n, width)
+
+
 def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device, *,
              image_tokens: Optional[ImageTokens] = None) -> dict:
     """The padded layout of ``rows`` (see the module docstring)."""
@@ -232,12 +237,13 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
         real_positions = batch.position_ids[index][real][:, None]  # [tokens, 1]
     else:  # [tokens, 3]: M-RoPE's three positions per token
         real_positions = torch.cat(_mrope_real_positions(batch, index, grids, image_tokens), dim=1).T
-    count_on = lambda n, start: start + torch.arange(n, dtype=torch.long)[:, None].expand(n, real_positions.shape[1])  # noqa: E731
-    positions = _pad_segments(real_positions, real_lens, seq_lens, lambda n, seg: count_on(n, seg[-1:] + 1))
+    width = real_positions.shape[1]
+    positions = _pad_segments(real_positions, real_lens, seq_lens,
+                              lambda n, seg: _counting_on(n, seg[-1:] + 1, width))
     padding = length - total
     if padding:  # its own segment, so no real token attends to it
         tokens = torch.cat([tokens, tokens.new_zeros(padding)])
-        positions = torch.cat([positions, count_on(padding, 0)])
+        positions = torch.cat([positions, _counting_on(padding, 0, width)])
         seq_lens.append(padding)
     positions = positions.T[:, None] if image_tokens is not None else positions.T  # [3, 1, T] or [1, T]
     cu_seqlens = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
