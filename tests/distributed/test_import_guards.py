@@ -53,7 +53,9 @@ print("compiled once:", len(graphs), torch.equal(first, want), torch.equal(secon
 def outer(x):
     return swiglu(x) * 2
 print("inlined:", torch.equal(outer(x), want * 2), len(graphs))
-print("megatron's:", torch.equal(fused_bias_swiglu.bias_swiglu_impl(x, None), want))
+# inductor's kernel may round differently from eager's: equal to fp64's precision, relative to the values
+got = fused_bias_swiglu.bias_swiglu_impl(x, None)
+print("megatron's:", bool((got - want).abs().max() <= 1e-14 * want.abs().max()))
 """
 
 
