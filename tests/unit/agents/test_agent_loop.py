@@ -168,7 +168,7 @@ def test_max_tokens_per_turn_caps_each_turn_and_the_calls_it_completed_still_run
 
 
 def test_a_slow_tool_holds_back_only_its_own_conversation(tokenizer, tools):
-    slow = {1: [call("echo", text="slow", seconds=1.5), "late"],
+    slow = {1: [call("echo", text="slow", seconds=1.0), "late"],
             2: [call("echo", text="a"), call("echo", text="b"), call("echo", text="c"), "quick"]}
     script = Script(tokenizer, slow)
     start = time.monotonic()
@@ -178,10 +178,10 @@ def test_a_slow_tool_holds_back_only_its_own_conversation(tokenizer, tools):
     assert waves[0][1] == [1, 2]
     # conversation 2 went through its three tool rounds and its answer while conversation 1's tool slept
     quick_waves = [t for t, who in waves[1:] if who == [2]]
-    assert len(quick_waves) == 3 and max(quick_waves) < 1.0, waves
-    assert waves[-1][1] == [1] and waves[-1][0] >= 1.5
+    assert len(quick_waves) == 3 and max(quick_waves) < 0.7, waves
+    assert waves[-1][1] == [1] and waves[-1][0] >= 1.0
     assert script.keys == [[(0, 0), (1, 0)], [(1, 1)], [(1, 2)], [(1, 3)], [(0, 1)]]
-    assert elapsed < 1.5 + 1.0
+    assert elapsed < 1.0 + 1.0
     assert [c.trajectory.finish_reason for c in conversations] == ["stop", "stop"]
     assert conversations[1].final_text == "quick" and conversations[0].final_text == "late"
 
