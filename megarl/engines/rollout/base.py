@@ -18,7 +18,8 @@ Log-probs convention: `RolloutOutput.log_probs[t]` is the log-probability of the
 *processed* distribution that was actually sampled from (logits / temperature, then top-k / top-p
 renormalization); for greedy decoding it is the plain log-softmax of the logits.
 
-Leaves out: prompt log-probs, multimodal inputs, LoRA, async/streaming generation.
+Leaves out: prompt log-probs, async/streaming generation; images only through the HF engine so far
+(`HFRolloutEngine.generate(..., multi_modal_inputs=...)`, a vision-language model's).
 """
 
 from __future__ import annotations
