@@ -4,4 +4,4 @@ __version__ = "0.1.0"
 
 from megarl import _import_guards
 
-_import_guards.install()  # megatron-core without its optional wandb import: seconds of every worker's start
+_import_guards.install()  # megatron-core without wandb, tensorboard's writer and torch's compiler stack at import

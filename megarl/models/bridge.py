@@ -46,6 +46,7 @@ from megarl.models.architectures.base import build_param_rules
 from megarl.models.hf_config import HFConfigLike, architecture_name, load_hf_config
 from megarl.models.model_dims import ModelDims
 from megarl.models.parallel_layout import ParallelLayout
+from megarl.models.vision_language import VISION_PREFIX
 from megarl.models.weight_mapping import ParamRule, TensorConverter
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQ_EXPERT_RE = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT_RE = re.compile(r"^(mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_FIRST_STAGE_PREFIXES = ("embedding.", "vision_model.")  # where the tokens (and images) come in
+_FIRST_STAGE_PREFIXES = ("embedding.", VISION_PREFIX)  # where the tokens (and images) come in
 
 
 def transformer_engine_available() -> bool:

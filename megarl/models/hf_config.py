@@ -102,6 +102,17 @@ def read_rope(hf: Any) -> dict[str, Any]:
     return rope
 
 
+def as_checkpoint_names(model, tensors: dict) -> dict:
+    """``tensors`` (``model``'s, by their in-memory names) by the names a checkpoint gives them: transformers 5
+    renames some in memory (Qwen2.5-VL's ``model.language_model.*`` is ``model.*`` on disk) and fuses others (MoE
+    experts), and reverting gives the checkpoint's; transformers 4 keeps them as on disk."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return tensors
+    return revert_weight_conversion(model, tensors)
+
+
 def is_vision_language(hf: Any) -> bool:
     """Whether a config describes a vision-language model (a ``vision_config`` beside its text model)."""
     return getattr(hf, "vision_config", None) is not None

@@ -64,15 +64,6 @@ class VisionDims:
     spatial_merge_size: int
     in_channels: int
 
-    @property
-    def num_parameters(self) -> int:
-        h, patch_in = self.hidden_size, self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-        block = 2 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * (self.intermediate_size * h + self.intermediate_size) \
-            + (h * self.intermediate_size + h)
-        merged = h * self.spatial_merge_size ** 2
-        merger = h + (merged * merged + merged) + (self.out_hidden_size * merged + self.out_hidden_size)
-        return patch_in * h + self.depth * block + merger
-
 
 @dataclass(frozen=True)
 class ModelDims:

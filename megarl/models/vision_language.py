@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-VISION_PREFIX = "vision_model."
+VISION_PREFIX = "vision_model."  # the tower's parameters in the megatron model (its attribute below)
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class ImageTokens:
 
     image_token_id: int
     spatial_merge_size: int
+
+    @classmethod
+    def of_config(cls, hf: Any) -> "ImageTokens":
+        """A vision-language HF config's (``image_token_id``, ``vision_config.spatial_merge_size``)."""
+        return cls(int(hf.image_token_id), int(hf.vision_config.spatial_merge_size))
 
 
 def image_tokens_of(model: torch.nn.Module) -> Optional[ImageTokens]:
@@ -162,15 +167,14 @@ def _gpt_model_class():
     return VisionLanguageGPTModel
 
 
-def vision_language_gpt_model(*args, vision_config: Any, image_token_id: int, pre_process: bool,
+def vision_language_gpt_model(*args, hf_config: Any, pre_process: bool,
                               freeze_vision_tower: bool = True, params_dtype: torch.dtype = torch.float32,
                               **kwargs) -> torch.nn.Module:
     """A :class:`VisionLanguageGPTModel`: ``GPTModel(*args, **kwargs)`` plus, on the first stage, the tower."""
     tower = None
     if pre_process:
-        tower = build_vision_tower(vision_config).to(params_dtype)
+        tower = build_vision_tower(hf_config.vision_config).to(params_dtype)
         for param in tower.parameters():
             param.requires_grad_(not freeze_vision_tower)
-    tokens = ImageTokens(image_token_id=int(image_token_id),
-                         spatial_merge_size=int(vision_config.spatial_merge_size))
-    return _gpt_model_class()(*args, pre_process=pre_process, vision_tower=tower, image_tokens=tokens, **kwargs)
+    return _gpt_model_class()(*args, pre_process=pre_process, vision_tower=tower,
+                              image_tokens=ImageTokens.of_config(hf_config), **kwargs)

@@ -9,8 +9,8 @@ Batching: prompts are left-padded, each repeated `n` times; rows that finished k
 and are ignored. A vision-language model (Qwen2.5-VL) takes each prompt's images (``multi_modal_inputs``) in the
 prefill, with M-RoPE positions placed as the trainer places them (:mod:`megarl.models.vision_language`); each
 generated token then counts on from its row's largest position, and the image placeholder token is never sampled
-(it would stand for an image nobody gave; a trained model gives it ~0 probability anyway). Leaves out: speculative decoding, continuous
-batching, paged KV cache, tensor parallelism (use the vLLM engine for throughput).
+(it would stand for an image nobody gave; a trained model gives it ~0 probability anyway). Leaves out: speculative
+decoding, continuous batching, paged KV cache, tensor parallelism (use the vLLM engine for throughput).
 """
 
 from __future__ import annotations
@@ -97,8 +97,7 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"HFRolloutEngine: load_format {load_format!r}; expected 'auto' or 'dummy'")
         self.model = self.model.to(self.device).eval()
         self.vocab_size = self.model.config.get_text_config().vocab_size
-        self.image_tokens = (ImageTokens(config.image_token_id, config.vision_config.spatial_merge_size)
-                             if is_vision_language(config) else None)
+        self.image_tokens = ImageTokens.of_config(config) if is_vision_language(config) else None
         self.eos_token_ids = self._collect_eos_ids()
         self.pad_token_id = self._choose_pad_id()
         self._tokenizer_path = tokenizer_path or model_path
@@ -421,12 +420,9 @@ def _checkpoint_names(model) -> dict[str, torch.nn.Parameter]:
     """The checkpoint's name for each parameter transformers renames in memory (Qwen2.5-VL's
     ``model.language_model.*`` is ``model.*`` on disk, ``model.visual.*`` is ``visual.*``): weight sync sends
     checkpoint names. Tensors transformers fuses in memory (MoE experts) are found by ``_fused_expert_slice``."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: in memory as on disk
-        return {}
+    from megarl.models.hf_config import as_checkpoint_names
+
     params = dict(model.named_parameters(remove_duplicate=False))
     by_identity = {id(param): param for param in params.values()}
-    reverted = revert_weight_conversion(model, dict(params))
-    return {name: by_identity[id(tensor)] for name, tensor in reverted.items()
+    return {name: by_identity[id(tensor)] for name, tensor in as_checkpoint_names(model, dict(params)).items()
             if id(tensor) in by_identity and name not in params}

@@ -62,18 +62,12 @@ def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> 
         import torch
         from transformers import AutoConfig
 
-        from megarl.models.hf_config import auto_model_class
+        from megarl.models.hf_config import as_checkpoint_names, auto_model_class
 
         config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
             model = auto_model_class(config).from_config(config)
-        state = model.state_dict()
-        try:  # transformers 5 fuses some tensors in memory (MoE experts); a checkpoint, and the sync, name them apart
-            from transformers.core_model_loading import revert_weight_conversion
-
-            state = revert_weight_conversion(model, state)
-        except ImportError:  # transformers 4: in memory as on disk
-            pass
+        state = as_checkpoint_names(model, model.state_dict())  # the sync sends the checkpoint's names
         return {name: tuple(param.shape) for name, param in state.items()
                 if not (name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))}
     if not files:

@@ -56,10 +56,6 @@ class Architecture:
     def uses_mla(self) -> bool:
         return False
 
-    @property
-    def has_vision(self) -> bool:
-        return False
-
     def extra_param_rules(self, dims: ModelDims) -> list[ParamRule]:
         """Parameters outside the decoder's table (a vision tower's), as rules."""
         return []

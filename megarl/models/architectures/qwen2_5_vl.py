@@ -15,10 +15,10 @@ from megarl.models.architectures.base import Architecture
 from megarl.models.architectures.llama import Qwen2Architecture, dense_transformer_kwargs
 from megarl.models.hf_config import read_rope
 from megarl.models.model_dims import ModelDims, VisionDims
+from megarl.models.vision_language import VISION_PREFIX
 from megarl.models.weight_mapping import ParamRule
 
 HF_VISION_PREFIX = "visual."
-MCORE_VISION_PREFIX = "vision_model."
 
 
 def vision_tensor_names(vision: VisionDims) -> list[str]:
@@ -59,16 +59,11 @@ class Qwen2_5_VLArchitecture(Architecture):
         return dict(position_embedding_type="mrope", rotary_base=read_rope(text)["rope_theta"],
                     max_sequence_length=getattr(text, "max_position_embeddings", 4096))
 
-    @property
-    def has_vision(self) -> bool:
-        return True
-
     def extra_param_rules(self, dims: ModelDims) -> list[ParamRule]:
-        return [ParamRule(MCORE_VISION_PREFIX + name, (HF_VISION_PREFIX + name,))
+        return [ParamRule(VISION_PREFIX + name, (HF_VISION_PREFIX + name,))
                 for name in vision_tensor_names(dims.vision)]
 
     def build_model(self, hf: Any, *, params_dtype, **gpt_kwargs):
         from megarl.models.vision_language import vision_language_gpt_model
 
-        return vision_language_gpt_model(vision_config=hf.vision_config, image_token_id=hf.image_token_id,
-                                          params_dtype=params_dtype, **gpt_kwargs)
+        return vision_language_gpt_model(hf_config=hf, params_dtype=params_dtype, **gpt_kwargs)
