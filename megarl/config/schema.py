@@ -172,6 +172,9 @@ class ActorConfig:
     # false: start from megatron's random initialisation instead of the checkpoint's weights (verl's key); the
     # model path then needs only config.json and the tokenizer: benchmarks at any shape without big files
     load_weight: bool = True
+    # a vision-language policy's vision tower (and merger) out of the update (verl's key; megarl's default is
+    # frozen, verl's trains it); the language model trains either way
+    freeze_vision_tower: bool = True
     optim: OptimConfig = field(default_factory=OptimConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 

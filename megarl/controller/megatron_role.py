@@ -47,10 +47,12 @@ class MegatronRole(ProfiledWorker):
         return self.bridge.transformer_config(layout=self.layout, params_dtype=self.params_dtype,
                                               **transformer_overrides(self.megatron))
 
-    def _provider(self, config, *, tie_embeddings: Optional[bool] = None):
+    def _provider(self, config, *, tie_embeddings: Optional[bool] = None, train_vision_tower: bool = False):
+        """``train_vision_tower``: a vision-language model's tower trains with the rest (it is built frozen)."""
         def build(pre_process: bool, post_process: bool, vp_stage: Optional[int] = None):
             return self.bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
-                                           vp_stage=vp_stage, tie_embeddings=tie_embeddings)
+                                           vp_stage=vp_stage, tie_embeddings=tie_embeddings,
+                                           train_vision_tower=train_vision_tower)
         return build
 
     def _load_hf(self, engine) -> None:

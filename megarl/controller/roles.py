@@ -78,12 +78,15 @@ class Rollout:
     def __init__(self, group: RankGroup, generate: Callable):
         self._group, self._generate = group, generate
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 multi_modal_inputs: Optional[list[Optional[dict]]] = None) -> list[RolloutOutput]:
         """Every prompt's ``sampling.n`` responses; ``prompt_index`` indexes ``prompts``. The prompts are split
-        evenly over the ranks, in order."""
-        return self.generate_async(prompts, sampling).result()
+        evenly over the ranks, in order; ``multi_modal_inputs`` (a vision-language model's: per prompt its
+        pixels or None) go with their prompts."""
+        return self.generate_async(prompts, sampling, multi_modal_inputs).result()
 
-    def generate_async(self, prompts: list[list[int]], sampling: SamplingConfig) -> PendingGeneration:
+    def generate_async(self, prompts: list[list[int]], sampling: SamplingConfig,
+                       multi_modal_inputs: Optional[list[Optional[dict]]] = None) -> PendingGeneration:
         """:meth:`generate` started on the ranks without waiting (the Ray backend; the in-process group
         generates at once)."""
         world = self._group.world_size
@@ -92,7 +95,11 @@ class Rollout:
         if sampling.prompt_seeds:  # each prompt's seed goes with it
             per_rank = [replace(sampling, prompt_seeds=tuple(sampling.prompt_seeds[i] for i in chunk))
                         for chunk in chunks]
-        call = self._group.call_async(self._generate, [[prompts[i] for i in chunk] for chunk in chunks], per_rank)
+        if multi_modal_inputs and len(multi_modal_inputs) != len(prompts):
+            raise ValueError(f"{len(multi_modal_inputs)} multi_modal_inputs for {len(prompts)} prompts")
+        images = [[multi_modal_inputs[i] for i in chunk] if multi_modal_inputs else None for chunk in chunks]
+        call = self._group.call_async(self._generate, [[prompts[i] for i in chunk] for chunk in chunks], per_rank,
+                                      images)
         return PendingGeneration(chunks, call)
 
 

@@ -54,20 +54,30 @@ def replica_seed(sampling, replica_index: int):
     return replace(sampling, seed=sampling.seed * 7919 + replica_index)
 
 
-def generate_in_replica(engine, prompt_token_ids: list[list[int]], sampling, replica: RolloutReplica):
-    """This rank's share of prompts generated together with the other shares of its replica."""
+def generate_in_replica(engine, prompt_token_ids: list[list[int]], sampling, replica: RolloutReplica,
+                        multi_modal_inputs: Optional[list] = None):
+    """This rank's share of prompts generated together with the other shares of its replica (with their images,
+    a vision-language model's ``multi_modal_inputs``, if given)."""
     if replica.group is None:
         if not prompt_token_ids:
             return []
-        return engine.generate(prompt_token_ids, replica_seed(sampling, replica.index))
+        return engine.generate(prompt_token_ids, replica_seed(sampling, replica.index),
+                               **_with_images(multi_modal_inputs))
     shares: list = [None] * replica.size
-    dist.all_gather_object(shares, (list(prompt_token_ids), sampling.prompt_seeds), group=replica.group)
-    merged = [prompt for prompts, _ in shares for prompt in prompts]
+    share = (list(prompt_token_ids), sampling.prompt_seeds, multi_modal_inputs or [None] * len(prompt_token_ids))
+    dist.all_gather_object(shares, share, group=replica.group)
+    merged = [prompt for prompts, _, _ in shares for prompt in prompts]
     if not merged:
         return []
     if sampling.prompt_seeds:  # per-prompt seeds travel with their prompts (already distinct per prompt)
-        sampling = replace(sampling, prompt_seeds=tuple(seed for _, seeds in shares for seed in seeds))
-    outputs = engine.generate(merged, replica_seed(sampling, replica.index))
-    start = sum(len(prompts) for prompts, _ in shares[: dist.get_rank(replica.group)])
+        sampling = replace(sampling, prompt_seeds=tuple(seed for _, seeds, _ in shares for seed in seeds))
+    images = [inputs for _, _, share_inputs in shares for inputs in share_inputs]
+    outputs = engine.generate(merged, replica_seed(sampling, replica.index), **_with_images(images))
+    start = sum(len(prompts) for prompts, _, _ in shares[: dist.get_rank(replica.group)])
     end = start + len(prompt_token_ids)
     return [replace(out, prompt_index=out.prompt_index - start) for out in outputs if start <= out.prompt_index < end]
+
+
+def _with_images(multi_modal_inputs: Optional[list]) -> dict:
+    """The engine's keyword for images when any prompt has some: a text-only engine is called as before."""
+    return {"multi_modal_inputs": multi_modal_inputs} if multi_modal_inputs and any(multi_modal_inputs) else {}

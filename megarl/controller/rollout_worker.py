@@ -117,9 +117,9 @@ class RolloutWorker(WeightReceiver):
         self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
-    def generate(self, prompt_token_ids: list[list[int]], sampling) -> list:
+    def generate(self, prompt_token_ids: list[list[int]], sampling, multi_modal_inputs=None) -> list:
         kill_point("rollout_generate")
-        return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica)
+        return generate_in_replica(self.engine, prompt_token_ids, sampling, self.replica, multi_modal_inputs)
 
     def weight_device(self) -> torch.device:
         if self.context.device == "cuda":

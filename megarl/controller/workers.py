@@ -68,7 +68,8 @@ class ActorRolloutRefWorker(MegatronRole):
         actor_config = self._new_transformer_config()
         self.lora = lora_spec(lora, seed=arr.actor.megatron.seed)
         self.actor = ActorEngine(
-            model_provider=self._provider(actor_config), config=actor_config,
+            model_provider=self._provider(actor_config, train_vision_tower=not arr.actor.freeze_vision_tower),
+            config=actor_config,
             optimizer_config=megatron_optimizer_config(arr.actor.optim, arr.actor.megatron),
             lr_schedule=lr_schedule(arr.actor.optim, total_steps), ddp_config=ddp_config(arr.actor.megatron),
             micro_batch_size=arr.actor.ppo_micro_batch_size_per_gpu, temperature=arr.rollout.temperature or 1.0,
@@ -127,12 +128,13 @@ class ActorRolloutRefWorker(MegatronRole):
 
     # ---------------------------------------------------------------- rollout
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
-    def generate(self, prompt_token_ids: list[list[int]], sampling):
+    def generate(self, prompt_token_ids: list[list[int]], sampling, multi_modal_inputs=None):
         if self.rollout is None:
             raise RuntimeError("trainer.placement=separate: generation runs on the RolloutWorker group")
         self.residency.for_generation()
         with self.memory_peaks.track("gen"):
-            return generate_in_replica(self.rollout, prompt_token_ids, sampling, self.rollout_replica)
+            return generate_in_replica(self.rollout, prompt_token_ids, sampling, self.rollout_replica,
+                                       multi_modal_inputs)
 
     # ---------------------------------------------------------------- the device's phases (hybrid engine)
     # Each method below enters the phase it needs (self.residency, DeviceResidency): the driver never names

@@ -10,7 +10,7 @@ Columns (one row per prompt):
                   `<image>` placeholder in the prompt per image; read only with allow_images=True
 
 `RLDataset` tokenizes everything up front so overlong prompts are found (and reported) before training starts.
-`collate_prompts` gathers a list of items into a batch (unpadded token ids: what the rollout engines take;
+`RLDataset.batch` / `collate_prompts` gather items into a batch (unpadded token ids: what the rollout engines take;
 the rollout batch pads prompt and response once, to the configured widths). Sampling order and resume live in
 `sampler.py`.
 
@@ -18,8 +18,9 @@ With ``tools`` (function schemas; multi-turn rollouts) the chat template renders
 
 With ``vision`` (a vision-language model's :class:`~megarl.data.vision_inputs.VisionTokens`) each `<image>` becomes
 the model's image tokens, as many as the image's size gives (:mod:`megarl.data.vision_inputs`), so a prompt's
-length counts its images; the pixels are made when a batch is generated for. Without it, image rows are read and
-checked only with ``allow_images`` (the data tools), and refused otherwise.
+length counts its images; the pixels are made when a batch is drawn (``RLDataset.batch``: the batch's
+``multi_modal_inputs``, what every engine takes). Without it, image rows are read and checked only with
+``allow_images`` (the data tools), and refused otherwise.
 
 Left out: lazy/streaming reading of datasets larger than memory.
 """
@@ -36,7 +37,7 @@ import pyarrow.parquet as pq
 
 from megarl.data.images import (IMAGE_PLACEHOLDER, check_one_placeholder_per_image, count_placeholders, open_image,
                                 read_image_entries)
-from megarl.data.vision_inputs import IMAGE_IN_TEXT, expand_image_pads, image_grid
+from megarl.data.vision_inputs import IMAGE_IN_TEXT, expand_image_pads, image_grid, prompt_pixel_inputs
 
 REQUIRED_COLUMNS = ("reward_model",)
 TRUNCATION_MODES = ("error", "left", "right")
@@ -75,6 +76,9 @@ class PromptBatch:
     reward_styles: list[str | None] = field(default_factory=list)
     images: list[list[dict[str, Any]]] = field(default_factory=list)
     image_grids: list[list[tuple[int, int, int]]] = field(default_factory=list)
+    # per prompt, with a vision-language model: None (text) or its pixels as the engines take them
+    # (megarl.data.vision_inputs.pixel_inputs); empty for text-only batches
+    multi_modal_inputs: list[dict[str, Any] | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -136,6 +140,10 @@ class RLDataset:
 
     def __getitem__(self, index: int) -> PromptItem:
         return self.items[index]
+
+    def batch(self, indices: Sequence[int]) -> PromptBatch:
+        """The items at ``indices`` as one batch, with their pixels for a vision-language model."""
+        return collate_prompts([self.items[i] for i in indices], vision=self.vision)
 
     def _load_file(self, path: Path) -> None:
         if not path.is_file():
@@ -245,8 +253,9 @@ class RLDataset:
         return input_ids[: self.max_prompt_length]
 
 
-def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
-    """The items as one batch, in order."""
+def collate_prompts(items: Sequence[PromptItem], vision: Any = None) -> PromptBatch:
+    """The items as one batch, in order; with ``vision`` (a vision-language model's
+    :class:`~megarl.data.vision_inputs.VisionTokens`) their images' pixels too."""
     if not items:
         raise ValueError("cannot collate an empty list of prompts")
     for item in items:
@@ -262,6 +271,8 @@ def collate_prompts(items: Sequence[PromptItem]) -> PromptBatch:
         reward_styles=[item.reward_style for item in items],
         images=[list(item.images) for item in items],
         image_grids=[list(item.image_grids) for item in items],
+        multi_modal_inputs=(prompt_pixel_inputs([item.images for item in items], vision)
+                            if vision is not None and any(item.images for item in items) else []),
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from megarl.data.dataset import PromptBatch, RLDataset, collate_prompts
+from megarl.data.dataset import PromptBatch, RLDataset
 
 _STATE_VERSION = 1
 
@@ -114,7 +114,7 @@ class PromptLoader:
         return self.sampler.epoch
 
     def _collate(self, indices: list[int]) -> PromptBatch:
-        return collate_prompts([self.dataset[i] for i in indices])
+        return self.dataset.batch(indices)
 
     def next_batch(self) -> PromptBatch:
         return self._collate(self.sampler.next_batch())

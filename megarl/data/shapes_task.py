@@ -1,13 +1,18 @@
 """A generated image task with exact answers, for vision-language RL on CPU: small pictures of coloured shapes and
-one question each, answered in ``\\boxed{}`` (scored by megarl.rewards.boxed_math, route ``synthetic/shapes``).
+one question each, answered with one word or number, bare or in ``\\boxed{}`` (scored by
+megarl.rewards.synthetic_task.score_shapes, route ``synthetic/shapes``).
 
-    count   "How many shapes are in the image?"                 -> "3"
-    colour  "What colour are the shapes in the image?"          -> "red"      (all shapes of a picture share it)
-    shape   "Which shape is drawn: circle, square or triangle?" -> "circle"   (all shapes of a picture share it)
+    count   "how many shapes are in the image?"                          -> "3"
+    colour  "what colour are the shapes in the image: red, green, ..."   -> "red"     (all shapes of a picture share it)
+    shape   "which shape is drawn in the image: circle, square or ..."   -> "circle"  (all shapes of a picture share it)
+
+The text keeps to the embedded character tokenizer's alphabet (lower case, no backslash), so the tiny embedded
+vision-language model (``embedded:tiny-qwen2-vl``) reads it as a real model would.
 
 ``write_shapes_dataset`` writes train/val parquet files in verl's multimodal layout (megarl.data.images): the
 picture as PNG bytes in ``images``, ``<image>`` in the user message. Pictures are drawn with Pillow from a seeded
-generator: the same seed gives the same files.
+generator: the same seed gives the same files. ``embedded:shapes`` (megarl.data.synthetic.resolve_data_files)
+generates them into the cache.
 
 Left out: several images per prompt and multi-turn image tasks.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import io
 import random
 from pathlib import Path
+from typing import Sequence
 
 from megarl.data.images import IMAGE_PLACEHOLDER, image_entry
 from megarl.data.rows import make_prompt_row, write_prompt_rows
@@ -25,11 +31,12 @@ DATA_SOURCE = "synthetic/shapes"
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 20)}
 SHAPES = ("circle", "square", "triangle")
 QUESTIONS = {
-    "count": "How many shapes are in the image?",
-    "colour": "What colour are the shapes in the image? Answer with one of: " + ", ".join(COLOURS) + ".",
-    "shape": "Which shape is drawn in the image: " + ", ".join(SHAPES) + "?",
+    "count": "how many shapes are in the image?",
+    "colour": "what colour are the shapes in the image: " + ", ".join(sorted(COLOURS)[:-1]) + " or "
+              + sorted(COLOURS)[-1] + "?",
+    "shape": "which shape is drawn in the image: " + ", ".join(SHAPES[:-1]) + " or " + SHAPES[-1] + "?",
 }
-INSTRUCTION = "Put the final answer within \\boxed{}."
+INSTRUCTION = "answer with one word or number."
 MAX_SHAPES = 4
 
 
@@ -57,23 +64,27 @@ def draw_shapes(rng: random.Random, *, size: int, count: int, colour: str, shape
     return buffer.getvalue()
 
 
-def make_shapes_example(rng: random.Random, *, size: int = 64) -> tuple[bytes, str, str]:
-    """(PNG bytes, question, answer)."""
+def make_shapes_example(rng: random.Random, *, size: int = 64,
+                        kinds: Sequence[str] = tuple(QUESTIONS)) -> tuple[bytes, str, str]:
+    """(PNG bytes, question, answer), the question one of ``kinds``."""
+    unknown = sorted(set(kinds) - set(QUESTIONS))
+    if unknown or not kinds:
+        raise ValueError(f"shapes question kinds {list(kinds)}: choose from {sorted(QUESTIONS)}")
     count, colour, shape = rng.randint(1, MAX_SHAPES), rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
-    kind = rng.choice(sorted(QUESTIONS))
+    kind = rng.choice(sorted(kinds))
     answer = {"count": str(count), "colour": colour, "shape": shape}[kind]
     return draw_shapes(rng, size=size, count=count, colour=colour, shape=shape), QUESTIONS[kind], answer
 
 
-def write_shapes_dataset(out_dir: str | Path, *, n_train: int, n_val: int, seed: int = 0,
-                         size: int = 64) -> tuple[Path, Path]:
+def write_shapes_dataset(out_dir: str | Path, *, n_train: int, n_val: int, seed: int = 0, size: int = 64,
+                         kinds: Sequence[str] = tuple(QUESTIONS)) -> tuple[Path, Path]:
     """``out_dir/train.parquet`` and ``out_dir/val.parquet``; returns their paths."""
     rng = random.Random(seed)
     paths = []
     for split, n in (("train", n_train), ("val", n_val)):
         rows = []
         for index in range(n):
-            png, question, answer = make_shapes_example(rng, size=size)
+            png, question, answer = make_shapes_example(rng, size=size, kinds=kinds)
             rows.append(make_prompt_row(
                 messages=[{"role": "user", "content": f"{IMAGE_PLACEHOLDER}{question} {INSTRUCTION}"}],
                 ground_truth=answer, data_source=DATA_SOURCE, extra_info={"split": split, "index": index},

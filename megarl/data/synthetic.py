@@ -7,15 +7,18 @@ Prompts are one short user message, `<op> <digits>`; answers are 1-3 digits with
     add 12 34   -> 46       (operands of `num_digits` digits; the sum may have one more digit)
 
 `write_digits_dataset` writes train/val parquet files in the `RLDataset` layout (data_source
-"synthetic/digits"); `resolve_data_files` maps a data spec (`embedded:digits[?op=..&num_digits=..]` or local
-parquet paths) to files. The scorer is `megarl.rewards.synthetic_task.score_digits`.
+"synthetic/digits"); `resolve_data_files` maps a data spec (`embedded:digits[?op=..&num_digits=..]`,
+`embedded:shapes[?kinds=count,colour&..]` for the image task of `megarl.data.shapes_task`, or local parquet paths)
+to files. The scorers are `megarl.rewards.synthetic_task`'s.
 
 Left out: curricula and tasks needing multi-step reasoning; this exists to show the RL loop learns.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import parse_qsl
@@ -26,6 +29,7 @@ from megarl.data.tokenizer import unsupported_characters
 
 DATA_SOURCE = "synthetic/digits"
 EMBEDDED_DIGITS = "embedded:digits"
+EMBEDDED_SHAPES = "embedded:shapes"
 DIGIT_OPS = ("copy", "reverse", "add")
 
 # Defaults of the embedded spec: enough distinct train prompts for a 100-step demo, a small val set.
@@ -86,8 +90,9 @@ def resolve_data_files(
     """Map a data spec to parquet paths.
 
     `embedded:digits` (optionally `?op=reverse&num_digits=3&n_train=..&n_val=..&seed=..`) generates the digits
-    dataset once into `<cache root>/data/` and returns its `split` ("train" or "val") file. Anything else is one
-    path or a list of paths to local parquet files, each checked to exist.
+    dataset once into `<cache root>/data/` and returns its `split` ("train" or "val") file; `embedded:shapes`
+    (optionally `?kinds=count,colour,shape&size=64&n_train=..&n_val=..&seed=..`) the shapes images likewise.
+    Anything else is one path or a list of paths to local parquet files, each checked to exist.
     """
     specs = [spec] if isinstance(spec, (str, Path)) else list(spec)
     if not specs:
@@ -98,10 +103,13 @@ def resolve_data_files(
         if text.startswith(EMBEDDED_DIGITS):
             files.append(_ensure_embedded_digits(text, split=split, cache_root=cache_root))
             continue
+        if text.startswith(EMBEDDED_SHAPES):
+            files.append(_ensure_embedded_shapes(text, split=split, cache_root=cache_root))
+            continue
         path = Path(text).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"data file {text!r} does not exist (expected a local parquet file or "
-                                    f"'{EMBEDDED_DIGITS}'; dataset downloads are not done)")
+            raise FileNotFoundError(f"data file {text!r} does not exist (expected a local parquet file, "
+                                    f"'{EMBEDDED_DIGITS}' or '{EMBEDDED_SHAPES}'; dataset downloads are not done)")
         if path.suffix != ".parquet":
             raise ValueError(f"data file {text!r} is not a .parquet file")
         files.append(path)
@@ -109,25 +117,60 @@ def resolve_data_files(
 
 
 def _ensure_embedded_digits(spec: str, *, split: str, cache_root: str | Path | None) -> Path:
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val' for {spec!r}, got {split!r}")
-    _, _, query = spec.partition("?")
-    if spec[len(EMBEDDED_DIGITS):] and not spec[len(EMBEDDED_DIGITS):].startswith("?"):
-        raise ValueError(f"bad embedded data spec {spec!r}; expected '{EMBEDDED_DIGITS}' or '{EMBEDDED_DIGITS}?op=..'")
-    params = {"op": "copy", "num_digits": "2", "n_train": str(DEFAULT_N_TRAIN), "n_val": str(DEFAULT_N_VAL),
-              "seed": str(DEFAULT_SEED)}
-    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
-        if key not in params:
-            raise ValueError(f"unknown parameter {key!r} in data spec {spec!r}; known: {sorted(params)}")
-        params[key] = value
-    try:
-        op, num_digits, n_train, n_val, seed = (params["op"], int(params["num_digits"]), int(params["n_train"]),
-                                                int(params["n_val"]), int(params["seed"]))
-    except ValueError as err:
-        raise ValueError(f"non-integer parameter in data spec {spec!r}: {err}") from None
+    defaults = {"op": "copy", "num_digits": "2", "n_train": str(DEFAULT_N_TRAIN), "n_val": str(DEFAULT_N_VAL),
+                "seed": str(DEFAULT_SEED)}
+    params = _spec_params(spec, EMBEDDED_DIGITS, split, defaults)
+    op = params["op"]
+    num_digits, n_train, n_val, seed = (_int(params, key, spec) for key in ("num_digits", "n_train", "n_val", "seed"))
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     out = root / "data" / f"digits-{op}-d{num_digits}-n{n_train}-v{n_val}-s{seed}"
     target = out / f"{split}.parquet"
     if not target.is_file():
         write_digits_dataset(out, n_train, n_val, seed, op=op, num_digits=num_digits)
     return target
+
+
+def _ensure_embedded_shapes(spec: str, *, split: str, cache_root: str | Path | None) -> Path:
+    from megarl.data.shapes_task import QUESTIONS, write_shapes_dataset
+
+    params = _spec_params(spec, EMBEDDED_SHAPES, split, {"kinds": ",".join(QUESTIONS), "size": "64",
+                                                         "n_train": "1024", "n_val": "64", "seed": str(DEFAULT_SEED)})
+    kinds = tuple(kind for kind in params["kinds"].split(",") if kind)
+    size, n_train, n_val, seed = (_int(params, key, spec) for key in ("size", "n_train", "n_val", "seed"))
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    out = root / "data" / f"shapes-{'-'.join(kinds)}-px{size}-n{n_train}-v{n_val}-s{seed}"
+    target = out / f"{split}.parquet"
+    if not target.is_file():
+        # written in a sibling and renamed: two ranks or runs asking at once never read a half-written file
+        staging = out.with_name(out.name + f".tmp-{os.getpid()}")
+        try:
+            write_shapes_dataset(staging, n_train=n_train, n_val=n_val, seed=seed, size=size, kinds=kinds)
+            os.rename(staging, out)
+        except OSError:  # another writer renamed its identical copy first
+            if not target.is_file():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _spec_params(spec: str, prefix: str, split: str, defaults: dict[str, str]) -> dict[str, str]:
+    """The spec's ``?key=value&..`` over ``defaults``; unknown keys are refused."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val' for {spec!r}, got {split!r}")
+    _, _, query = spec.partition("?")
+    if spec[len(prefix):] and not spec[len(prefix):].startswith("?"):
+        raise ValueError(f"bad embedded data spec {spec!r}; expected '{prefix}' or '{prefix}?key=value&..'")
+    params = dict(defaults)
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in params:
+            raise ValueError(f"unknown parameter {key!r} in data spec {spec!r}; known: {sorted(params)}")
+        params[key] = value
+    return params
+
+
+def _int(params: dict[str, str], key: str, spec: str) -> int:
+    try:
+        return int(params[key])
+    except ValueError:
+        raise ValueError(f"non-integer parameter in data spec {spec!r}: {key}={params[key]!r}") from None

@@ -1,7 +1,8 @@
 """A small character-level tokenizer built locally, for the embedded demo model and tests.
 
 One token per character over a fixed alphabet (space, newline, digits, lowercase letters, a few punctuation
-marks) plus three ChatML special tokens, written as a Hugging Face tokenizer directory that
+marks) plus three ChatML special tokens (and, for a vision-language model, Qwen2.5-VL's image tokens after the
+alphabet, so a text model's ids stay as they are), written as a Hugging Face tokenizer directory that
 `transformers.AutoTokenizer.from_pretrained` and vLLM load like any hub tokenizer (a fast tokenizer with a
 Qwen-style ChatML `chat_template`). Nothing is downloaded.
 
@@ -21,6 +22,8 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
+# Qwen2.5-VL's: an image is <|vision_start|> + its <|image_pad|> tokens + <|vision_end|> (megarl.data.vision_inputs)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 
 PUNCTUATION = ".,:;!?'\"()[]{}+-*/=#<>_"
 ALPHABET = " \n" + "0123456789" + "abcdefghijklmnopqrstuvwxyz" + PUNCTUATION
@@ -43,8 +46,9 @@ QWEN_SPLIT_REGEX = (
 )
 
 
-def build_char_tokenizer() -> Tokenizer:
-    """Return the `tokenizers.Tokenizer`: special tokens take ids 0..2, then one id per alphabet character.
+def build_char_tokenizer(*, vision: bool = False) -> Tokenizer:
+    """Return the `tokenizers.Tokenizer`: special tokens take ids 0..2, then one id per alphabet character, then
+    (``vision``) the image tokens.
 
     The pipeline is the one transformers' `Qwen2Tokenizer` rebuilds around a vocab (NFC, the Qwen split regex,
     byte-level mapping, byte-level BPE) with an empty merge list, so every character stays its own token. It has
@@ -75,8 +79,12 @@ def build_char_tokenizer() -> Tokenizer:
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _special_tokens(vision)])
     return tokenizer
+
+
+def _special_tokens(vision: bool) -> tuple[str, ...]:
+    return SPECIAL_TOKENS + (VISION_TOKENS if vision else ())
 
 
 def unsupported_characters(text: str) -> list[str]:
@@ -86,7 +94,7 @@ def unsupported_characters(text: str) -> list[str]:
     callers that build data for this tokenizer check with this first.
     """
     allowed = set(ALPHABET)
-    for special in SPECIAL_TOKENS:
+    for special in SPECIAL_TOKENS + VISION_TOKENS:
         text = text.replace(special, "")
     return list(dict.fromkeys(ch for ch in text if ch not in allowed))
 
@@ -97,15 +105,16 @@ def _byte_level_symbol(ch: str) -> str:
     return piece[0]
 
 
-def write_local_tokenizer(out_dir: str | Path) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`; return it.
+def write_local_tokenizer(out_dir: str | Path, *, vision: bool = False) -> Path:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`; return it
+    (``vision``: with the image tokens of :func:`build_char_tokenizer`).
 
     The files are written directly (not through `save_pretrained`) so their content does not depend on the
     installed transformers version and two builds are byte-identical.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(vision=vision)
     (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
     added_tokens_decoder = {
         str(tokenizer.token_to_id(t)): {
@@ -116,7 +125,7 @@ def write_local_tokenizer(out_dir: str | Path) -> Path:
             "single_word": False,
             "special": True,
         }
-        for t in SPECIAL_TOKENS
+        for t in _special_tokens(vision)
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -137,9 +146,9 @@ def write_local_tokenizer(out_dir: str | Path) -> Path:
     return out
 
 
-def local_tokenizer_size() -> int:
+def local_tokenizer_size(*, vision: bool = False) -> int:
     """Number of token ids of the local tokenizer (special tokens included)."""
-    return len(SPECIAL_TOKENS) + len(ALPHABET)
+    return len(_special_tokens(vision)) + len(ALPHABET)
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -17,6 +17,7 @@ Left out: videos; other vision-language families (their token layouts differ).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -122,7 +123,7 @@ def pixel_inputs(images: Sequence[Any], tokens: VisionTokens, processor=None) ->
     be :func:`image_grid`'s (the token counts the prompt was expanded with)."""
     import torch
 
-    processor = processor or tokens.image_processor()
+    processor = processor or _processor(tokens)
     out = processor(images=list(images), return_tensors="pt")
     grids = out["image_grid_thw"].to(torch.long)
     expected = torch.tensor([image_grid(image.height, image.width, tokens) for image in images], dtype=torch.long)
@@ -130,3 +131,18 @@ def pixel_inputs(images: Sequence[Any], tokens: VisionTokens, processor=None) ->
         raise ValueError(f"the image processor made grids {grids.tolist()}, the prompt's tokens were counted for "
                          f"{expected.tolist()}")
     return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": grids}
+
+
+def prompt_pixel_inputs(images: Sequence[Sequence[dict]], tokens: VisionTokens) -> list[Optional[dict]]:
+    """Per prompt, :func:`pixel_inputs` of its image entries (``{bytes, path}``, paths absolute: the dataset made
+    them so), or None for a prompt without images."""
+    from megarl.data.images import open_image
+
+    return [pixel_inputs([open_image(entry, f"prompt {row} images[{i}]") for i, entry in enumerate(entries)], tokens)
+            if entries else None for row, entries in enumerate(images)]
+
+
+@functools.lru_cache(maxsize=4)
+def _processor(tokens: VisionTokens):
+    """One image processor per geometry (building one reads transformers' defaults each time)."""
+    return tokens.image_processor()

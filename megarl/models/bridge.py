@@ -46,7 +46,7 @@ from megarl.models.architectures.base import build_param_rules
 from megarl.models.hf_config import HFConfigLike, architecture_name, load_hf_config
 from megarl.models.model_dims import ModelDims
 from megarl.models.parallel_layout import ParallelLayout
-from megarl.models.vision_language import VISION_PREFIX
+from megarl.models.vision_language import VISION_PREFIX, vision_tower_of
 from megarl.models.weight_mapping import ParamRule, TensorConverter
 
 logger = logging.getLogger(__name__)
@@ -226,9 +226,10 @@ class ModelBridge:
             submodules.core_attention = SDPADotProductAttention
 
     def build_model(self, *, config, pre_process: bool, post_process: bool, vp_stage: Optional[int] = None,
-                    tie_embeddings: Optional[bool] = None):
+                    tie_embeddings: Optional[bool] = None, train_vision_tower: bool = False):
         """``tie_embeddings=False`` builds a separate output layer even for a tied HF model (the critic
-        replaces it with its value head)."""
+        replaces it with its value head). ``train_vision_tower``: a vision-language model's tower (built frozen)
+        trains with the rest; nothing for a text model."""
         from megarl.models import packed_rope
         from megarl.models.fused_norm import fuse_rms_norms
 
@@ -246,6 +247,9 @@ class ModelBridge:
         )
         if self.spec == "local":  # the local spec's norms are PyTorch's unfused RMSNorm (TE fuses its own)
             fuse_rms_norms(model)
+        tower = vision_tower_of(model)
+        if train_vision_tower and tower is not None:
+            tower.requires_grad_(True)
         return model
 
     # ------------------------------------------------------------------ names

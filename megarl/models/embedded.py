@@ -1,4 +1,5 @@
-"""The embedded demo model: a tiny random-init Qwen2 written locally as a Hugging Face model directory.
+"""The embedded demo models: tiny random-init Qwen2 (and a reward model, a Qwen3-MoE, a Qwen2.5-VL) written
+locally as Hugging Face model directories.
 
 `ensure_embedded_model("tiny-qwen2")` builds (once, then reuses) a dir with config.json, model.safetensors,
 generation_config.json and the local character tokenizer, so the demo, the tests and vLLM can run with no
@@ -16,7 +17,9 @@ import threading
 from pathlib import Path
 
 from megarl.data.cache import default_cache_root
-from megarl.data.tokenizer import EOS_TOKEN, PAD_TOKEN, build_char_tokenizer, local_tokenizer_size, write_local_tokenizer
+from megarl.data.tokenizer import (EOS_TOKEN, PAD_TOKEN, VISION_TOKENS, build_char_tokenizer, local_tokenizer_size,
+                                   write_local_tokenizer)
+from megarl.data.vision_inputs import VisionTokens
 
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_SEED = 1234
@@ -46,7 +49,17 @@ _EMBEDDED_SPECS = {
     # (routing replay and MoE weight sync on CPU).
     "tiny-qwen3-moe": dict(_TINY_QWEN2_SHAPE, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
                            moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    # A Qwen2.5-VL: the same decoder with M-RoPE (the 32 frequencies of a 64-wide head: 8 temporal, 12 height,
+    # 12 width, Qwen2.5-VL's proportions) under a 2-block vision tower, over the tokenizer with image tokens
+    # (vision-language RL on CPU: megarl.data.shapes_task).
+    "tiny-qwen2-vl": dict(_TINY_QWEN2_SHAPE, family="qwen2_5_vl", rope_scaling=dict(type="mrope",
+                                                                                    mrope_section=[8, 12, 12])),
 }
+# The tiny vision tower: one head of 64 (vLLM's CPU attention takes no narrower), one windowed block and one
+# full; images of up to 112 x 112 pixels, i.e. at most 16 image tokens each.
+_TINY_VISION = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=1, fullatt_block_indexes=[1],
+                    window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
+_TINY_VISION_PIXELS = dict(min_pixels=56 * 56, max_pixels=112 * 112)
 
 
 def embedded_model_names() -> list[str]:
@@ -117,18 +130,22 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import (GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification,
-                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                              Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     spec = dict(spec)
     classifier = spec.pop("head", "lm") == "score"
-    moe = spec.pop("family", "qwen2") == "qwen3_moe"
+    family = spec.pop("family", "qwen2")
+    moe, vision = family == "qwen3_moe", family == "qwen2_5_vl"
     config_class, model_class = ((Qwen2Config, Qwen2ForSequenceClassification) if classifier
-                                 else (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen2Config, Qwen2ForCausalLM))
-    tokenizer = build_char_tokenizer()
+                                 else (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe
+                                 else (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration) if vision
+                                 else (Qwen2Config, Qwen2ForCausalLM))
+    tokenizer = build_char_tokenizer(vision=vision)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    config = config_class(
-        vocab_size=round_up_vocab(local_tokenizer_size()),
+    text = dict(
+        vocab_size=round_up_vocab(local_tokenizer_size(vision=vision)),
         rms_norm_eps=1e-6,
         hidden_act="silu",
         tie_word_embeddings=False,
@@ -137,18 +154,31 @@ def _write_model_dir(out: Path, spec: dict) -> None:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
         dtype="float32",
+        **spec,
+    )
+    if vision:  # the decoder's fields are the text model's; the image tokens are the tokenizer's
+        start, end, pad = (tokenizer.token_to_id(token) for token in VISION_TOKENS)
+        text = dict(text_config=text, vision_config=dict(_TINY_VISION, out_hidden_size=text["hidden_size"]),
+                    image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
+                    video_token_id=text["vocab_size"] - 1,  # no video token in the tokenizer: an id it never makes
+                    tie_word_embeddings=False, dtype="float32")
+    config = config_class(
         # vLLM picks the model class from this field; a bare config.save_pretrained does not fill it in.
         architectures=[model_class.__name__],
         **({"num_labels": 1} if classifier else {}),
-        **spec,
+        **text,
     )
     # fork_rng keeps the caller's global RNG stream untouched by our fixed seed.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(EMBEDDED_SEED + int(classifier))
         model = model_class(config).to(torch.float32)
     config.save_pretrained(out)
-    if moe:  # transformers fuses the experts in memory; its save writes them per expert, as checkpoints hold them
-        model.save_pretrained(out)
+    if moe or vision:  # transformers' in-memory names (fused experts, model.language_model.*) are not the
+        model.save_pretrained(out)  # checkpoint's; its save writes the checkpoint's
+    if vision:  # the pixel bounds vLLM and megarl's dataset read
+        tokens = VisionTokens(image_pad_id=config.image_token_id, vision_start_id=config.vision_start_token_id,
+                              vision_end_id=config.vision_end_token_id, **_TINY_VISION_PIXELS)
+        tokens.image_processor().save_pretrained(out)
     else:  # save_file directly (no tied weights to dedupe): quiet, one file, the metadata HF loaders check for.
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -156,4 +186,4 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     # <|endoftext|> also ends generation (as in Qwen): otherwise a policy learns to fill its answer with it,
     # since decoding with skip_special_tokens hides it from the reward.
     GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id], pad_token_id=pad_id).save_pretrained(out)
-    write_local_tokenizer(out)
+    write_local_tokenizer(out, vision=vision)

@@ -54,27 +54,31 @@ def image_tokens_of(model: torch.nn.Module) -> Optional[ImageTokens]:
     return getattr(model, "image_tokens", None)
 
 
+def vision_tower_of(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A model chunk's vision tower: a vision-language model's first pipeline stage has one, else None."""
+    return getattr(model, "vision_model", None)
+
+
 def mrope_position_ids(input_ids: Sequence[int] | torch.Tensor, image_grid_thw: Optional[torch.Tensor], *,
                        image_token_id: int, spatial_merge_size: int) -> torch.Tensor:
     """``[3, len(input_ids)]`` M-RoPE positions of one unpadded sequence. ``image_grid_thw`` ``[images, 3]``: the
     patch grid (frames, rows, columns) of each image in the order the sequence shows them; each image is a run of
-    ``frames * rows * columns / spatial_merge_size**2`` consecutive ``image_token_id`` tokens."""
+    ``frames * rows * columns / spatial_merge_size**2`` consecutive ``image_token_id`` tokens. Image tokens after
+    those the images account for are text (a policy may sample the image token; vLLM and the rollout engines embed
+    a generated one as text), see :func:`image_slots`."""
     ids = torch.as_tensor(input_ids).tolist()
     grids = [] if image_grid_thw is None else [tuple(int(v) for v in g) for g in torch.as_tensor(image_grid_thw)]
     columns: list[torch.Tensor] = []
     next_position, index, image = 0, 0, 0
     while index < len(ids):
         start = index
-        if ids[index] != image_token_id:
-            while index < len(ids) and ids[index] != image_token_id:
+        if ids[index] != image_token_id or image == len(grids):
+            while index < len(ids) and (ids[index] != image_token_id or image == len(grids)):
                 index += 1
             text = torch.arange(next_position, next_position + index - start)
             columns.append(text.expand(3, -1))
             next_position += index - start
             continue
-        if image >= len(grids):
-            raise ValueError(f"token {start}: image {image + 1} has no image_grid_thw row "
-                             f"({len(grids)} given for the sequence)")
         frames, rows, cols = grids[image][0], grids[image][1] // spatial_merge_size, grids[image][2] // spatial_merge_size
         needed = frames * rows * cols  # images may follow each other directly: each takes its own count
         while index < len(ids) and index - start < needed and ids[index] == image_token_id:
@@ -91,6 +95,18 @@ def mrope_position_ids(input_ids: Sequence[int] | torch.Tensor, image_grid_thw: 
     if not columns:
         return torch.zeros(3, 0, dtype=torch.long)
     return torch.cat(columns, dim=1).long()
+
+
+def image_slots(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], *, image_token_id: int,
+                spatial_merge_size: int) -> torch.Tensor:
+    """Which tokens of one unpadded sequence take its images' embeddings: the first of its ``image_token_id``
+    tokens, as many as the images have (any later one, sampled by the policy, is text)."""
+    is_image = torch.as_tensor(input_ids) == image_token_id
+    if image_grid_thw is None:
+        return torch.zeros_like(is_image)
+    grids = torch.as_tensor(image_grid_thw)
+    count = int((grids.prod(dim=-1) // spatial_merge_size ** 2).sum())
+    return is_image & (is_image.cumsum(dim=-1) <= count)
 
 
 def batch_mrope_position_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -137,15 +153,17 @@ def _gpt_model_class():
 
         def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *,
                     pixel_values: Optional[torch.Tensor] = None, image_grid_thw: Optional[torch.Tensor] = None,
-                    **kwargs):
+                    image_slots: Optional[torch.Tensor] = None, **kwargs):
+            """``image_slots`` ``[rows, seq]``: the tokens that take the image embeddings (:func:`image_slots` per
+            row); by default every ``image_token_id`` token."""
             if position_ids is not None and position_ids.dim() == 2:  # text only: 1-D positions on all three axes
                 position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
             if self.pre_process and decoder_input is None and pixel_values is not None:
-                decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw)
+                decoder_input = self._embed_with_images(input_ids, pixel_values, image_grid_thw, image_slots)
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
 
         def _embed_with_images(self, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-                               image_grid_thw: torch.Tensor) -> torch.Tensor:
+                               image_grid_thw: torch.Tensor, slots: Optional[torch.Tensor]) -> torch.Tensor:
             if self.config.sequence_parallel or self.config.context_parallel_size > 1:
                 raise ValueError("images with sequence_parallel or context_parallel_size > 1 are not supported: "
                                  "each rank would hold part of an image's tokens")
@@ -155,7 +173,8 @@ def _gpt_model_class():
             tower = self.vision_model
             features = tower(pixel_values.to(tower.dtype), grid_thw=image_grid_thw)
             features = getattr(features, "pooler_output", features)  # merged: one row per image token
-            slots = input_ids == self.image_tokens.image_token_id  # [rows, seq]
+            if slots is None:
+                slots = input_ids == self.image_tokens.image_token_id  # [rows, seq]
             if int(slots.sum()) != features.shape[0]:
                 raise ValueError(f"{int(slots.sum())} image tokens in input_ids, the vision tower made "
                                  f"{features.shape[0]} image embeddings from image_grid_thw")

@@ -18,6 +18,7 @@ BOXED_MATH = "megarl.rewards.boxed_math:score_boxed_math"
 # A final "Answer: ..." line (DAPO's prompt asks for it) or the last \boxed{}, whichever comes last.
 MATH_ANSWER = "megarl.rewards.boxed_math:score_math_answer"
 SYNTHETIC_DIGITS = "megarl.rewards.synthetic_task:score_digits"
+SYNTHETIC_SHAPES = "megarl.rewards.synthetic_task:score_shapes"
 
 # Every data_source that verl's default scorer routes, to the scorer of the same kind here.
 DEFAULT_ROUTES: dict[str, str] = {
@@ -31,7 +32,7 @@ DEFAULT_ROUTES: dict[str, str] = {
     "math_dapo": MATH_ANSWER,
     "math_dapo_reasoning": MATH_ANSWER,
     "synthetic/digits": SYNTHETIC_DIGITS,
-    "synthetic/shapes": BOXED_MATH,  # megarl.data.shapes_task: one word or number in \boxed{}
+    "synthetic/shapes": SYNTHETIC_SHAPES,  # megarl.data.shapes_task: one word or number, bare or boxed
 }
 # Families named by a prefix, as verl does (``aime2024``, ``aime_2025``, ``numina_olympiads``, ...).
 DEFAULT_PREFIX_ROUTES: dict[str, str] = {

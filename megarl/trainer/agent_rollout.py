@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megarl.agents.loop import AgentLoop, AgentSettings, TurnOutput
 from megarl.agents.tool_parser import build_tool_parser
@@ -34,15 +35,21 @@ class AgentRollout:
         self.rollout, self.loop = rollout, loop
         self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megarl-agent-rollout")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[AgentOutput]:
-        """``sampling.n`` conversations per prompt; ``sampling.max_tokens`` is each conversation's budget."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 multi_modal_inputs: Optional[list[Optional[dict]]] = None) -> list[AgentOutput]:
+        """``sampling.n`` conversations per prompt; ``sampling.max_tokens`` is each conversation's budget. A
+        prompt's images (``multi_modal_inputs``, a vision-language model's) go with every turn of its
+        conversations: their tokens stay where the prompt put them, tools answer in text."""
         rows = [index for index in range(len(prompts)) for _ in range(sampling.n)]
 
         def turns(turn_prompts: list[list[int]], max_tokens: int, keys: list[tuple[int, int]]) -> list[TurnOutput]:
             seeds = () if sampling.seed is None else tuple(
                 sampling.seed + conversation * _TURN_SEEDS + turn for conversation, turn in keys)
+            images = None
+            if multi_modal_inputs:
+                images = [multi_modal_inputs[rows[conversation]] for conversation, _ in keys]
             outputs = self.rollout.generate(turn_prompts, dataclasses.replace(
-                sampling, n=1, max_tokens=max_tokens, prompt_seeds=seeds))
+                sampling, n=1, max_tokens=max_tokens, prompt_seeds=seeds), images)
             by_prompt = sorted(outputs, key=lambda out: out.prompt_index)
             return [TurnOutput(out.token_ids, out.log_probs, out.finish_reason, out.routed_experts,
                                out.routed_experts_start) for out in by_prompt]
@@ -55,9 +62,10 @@ class AgentRollout:
                             routed_experts=c.trajectory.routed_experts)
                 for index, c in zip(rows, conversations)]
 
-    def generate_async(self, prompts: list[list[int]], sampling: SamplingConfig) -> concurrent.futures.Future:
+    def generate_async(self, prompts: list[list[int]], sampling: SamplingConfig,
+                       multi_modal_inputs: Optional[list[Optional[dict]]] = None) -> concurrent.futures.Future:
         """:meth:`generate` on a thread of its own; ``.result()`` waits for it."""
-        return self._background.submit(self.generate, prompts, sampling)
+        return self._background.submit(self.generate, prompts, sampling, multi_modal_inputs)
 
     def close(self) -> None:
         self._background.shutdown(wait=True)

@@ -1,7 +1,8 @@
 """Generations on the rollout ranks, from a prompt batch to a :class:`~megarl.batch.RolloutBatch`: the
 sampling a training or validation generation uses, the weight version each one was generated with, and
 the one place where the engines' answers become the fixed-width batch (:mod:`megarl.trainer.rollout_assembly`).
-The prompts stay in one shape from the dataset to the engines (unpadded token ids) and are padded once, here.
+The prompts stay in one shape from the dataset to the engines (unpadded token ids, and a vision-language
+model's pixels beside them) and are padded once, here.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class Generator:
 
     def start(self, prompts: PromptBatch, sampling: SamplingConfig) -> Generation:
         """Generation of ``prompts`` started on the rollout ranks; ``.wait()`` gives its :class:`RolloutBatch`."""
-        return Generation(pending=self.rollout.generate_async(prompts.prompt_ids, sampling), weights=self.weights,
-                          prompts=prompts, widths=self.widths)
+        pending = self.rollout.generate_async(prompts.prompt_ids, sampling, prompts.multi_modal_inputs or None)
+        return Generation(pending=pending, weights=self.weights, prompts=prompts, widths=self.widths)
 
     def generate(self, prompts: PromptBatch, sampling: SamplingConfig) -> RolloutBatch:
         return self.start(prompts, sampling).wait()

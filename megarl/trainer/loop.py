@@ -36,7 +36,6 @@ from megarl.config.loader import to_dict
 from megarl.config.lora import model_lora
 from megarl.config.schema import MegarlConfig
 from megarl.controller.roles import ActorRolloutRef, Critic, Teachers, needs_reference
-from megarl.data.dataset import collate_prompts
 from megarl.engines.rollout.base import SamplingConfig
 from megarl.rewards import mean_by_source
 from megarl.trainer.checkpoint import CheckpointManager
@@ -239,7 +238,8 @@ class RLTrainer:
         rows = list(first_rows.values())
         prompts = prompts_of_rows(batch, rows)
         outputs = self.generator.rollout.generate(prompts.prompt_ids,
-                                                  SamplingConfig.greedy(max_tokens=self.cfg.data.max_response_length))
+                                                  SamplingConfig.greedy(max_tokens=self.cfg.data.max_response_length),
+                                                  prompts.multi_modal_inputs or None)
         greedy_batch = assemble_rollout_batch(prompts, outputs, group_ids=[batch.group_ids[r] for r in rows],
                                               widths=self.generator.widths)
         _, greedy_scores, _ = self.scorer.score(greedy_batch)
@@ -319,7 +319,7 @@ class RLTrainer:
 def iter_in_order(dataset, batch_size: int):
     """Every item of ``dataset`` once, in order, in batches (the last may be short): for validation."""
     for start in range(0, len(dataset), batch_size):
-        yield collate_prompts([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+        yield dataset.batch(range(start, min(start + batch_size, len(dataset))))
 
 
 def batch_metrics(batch: TrainBatch, scores: torch.Tensor, entropy: Optional[torch.Tensor]) -> dict[str, float]:

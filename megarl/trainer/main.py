@@ -30,7 +30,8 @@ from megarl.trainer.run_lock import RunLock
 from megarl.trainer.stop_signals import StopSignals
 
 
-def build_data(cfg: MegarlConfig, tokenizer, tools: Optional[dict] = None):
+def build_data(cfg: MegarlConfig, tokenizer, tools: Optional[dict] = None, vision=None):
+    """The train loader and the validation dataset; ``vision``: a vision-language policy's image tokens."""
     from megarl.data.dataset import RLDataset
     from megarl.data.sampler import PromptLoader
     from megarl.data.synthetic import resolve_data_files
@@ -41,7 +42,7 @@ def build_data(cfg: MegarlConfig, tokenizer, tools: Optional[dict] = None):
         return RLDataset(resolve_data_files(files, split=split), tokenizer, prompt_key=d.prompt_key,
                          max_prompt_length=d.max_prompt_length, filter_overlong_prompts=d.filter_overlong_prompts,
                          truncation=d.truncation, apply_chat_template=d.apply_chat_template,
-                         tools=[tool.schema for tool in tools.values()] if tools else None)
+                         tools=[tool.schema for tool in tools.values()] if tools else None, vision=vision)
 
     train = dataset(d.train_files, "train")
     loader = PromptLoader(train, d.train_batch_size, seed=d.seed, shuffle=d.shuffle)
@@ -116,16 +117,30 @@ def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Pat
             f"  checkpoints: {out_dir / 'checkpoints'} ({saves})")
 
 
-def refuse_vision_language(model_path) -> None:
-    """A vision-language policy is refused before anything starts: its engines, HF rollout and weight sync exist,
-    the trainer's path from images to rollouts does not yet (issue 42)."""
+def vision_language_policy(cfg: MegarlConfig, model_path):
+    """The policy's :class:`~megarl.data.vision_inputs.VisionTokens` when it is a vision-language model (None for a
+    text model), after refusing, before anything starts, what megarl does not run with images yet."""
     from megarl.config import ConfigError
     from megarl.data.vision_inputs import VisionTokens
 
-    if Path(model_path).is_dir() and VisionTokens.of_model(model_path) is not None:
-        raise ConfigError(f"actor_rollout_ref.model.path={str(model_path)!r} is a vision-language model: megarl "
-                          f"builds it (Megatron engines, HF rollout, weight sync) but does not train it end to end "
-                          f"yet (images from the dataset to the rollout); use a text model")
+    vision = VisionTokens.of_model(model_path) if Path(model_path).is_dir() else None
+    if vision is None:
+        return None
+    arr = cfg.actor_rollout_ref
+    unsupported = {
+        # vLLM's Qwen2.5-VL needs torchvision, which no CPU build here has: the path is unbuilt, not untested
+        "actor_rollout_ref.rollout.name=vllm": arr.rollout.name == "vllm",
+        "async_training.mode=fully_async": cfg.async_training.mode == "fully_async",
+        "a critic (critic.enable / adv_estimator=gae)": bool(cfg.critic.enable),
+        "actor_rollout_ref.actor.megatron.context_parallel_size > 1": arr.actor.megatron.context_parallel_size > 1,
+    }
+    refused = [what for what, given in unsupported.items() if given]
+    if refused:
+        raise ConfigError(f"actor_rollout_ref.model.path={str(model_path)!r} is a vision-language model; megarl "
+                          f"trains one with the HF rollout engine (actor_rollout_ref.rollout.name=hf), synchronous "
+                          f"or one-step-off, without a critic or context parallelism so far: not with "
+                          f"{'; '.join(refused)}")
+    return vision
 
 
 def run(cfg: MegarlConfig) -> list[dict]:
@@ -143,12 +158,12 @@ def run(cfg: MegarlConfig) -> list[dict]:
     t = cfg.trainer
     check_trackers_installed(t.logger)  # before minutes of data loading, not after
     model_path = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    refuse_vision_language(model_path)
+    vision = vision_language_policy(cfg, model_path)
     tokenizer = AutoTokenizer.from_pretrained(str(cfg.actor_rollout_ref.model.tokenizer_path or model_path))
     multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     tools = load_tools(multi_turn.tool_config_path) if multi_turn.enable else None
     check_teacher_tokenizers(cfg, tokenizer)
-    train_loader, val_dataset = build_data(cfg, tokenizer, tools)
+    train_loader, val_dataset = build_data(cfg, tokenizer, tools, vision=vision)
     total_steps = t.total_training_steps or len(train_loader) * t.total_epochs
     reward_manager = build_reward_manager(cfg)
     out_dir = Path(t.default_local_dir)

@@ -82,6 +82,7 @@ def assemble_rollout_batch(prompts: PromptBatch, responses: Sequence, *, group_i
         group_ids=[group_ids[i] for i in prompt_index], data_sources=per_row(prompts.data_sources),
         ground_truths=per_row(prompts.ground_truths), extra_infos=extra_infos, rollout_log_probs=log_probs,
         raw_prompts=per_row(prompts.raw_prompts), generated_mask=generated, routed_experts=routed,
+        multi_modal_inputs=per_row(prompts.multi_modal_inputs) or None,
     )
 
 
@@ -106,7 +107,7 @@ def prompts_of_rows(batch: RolloutBatch, rows: Sequence[int]) -> PromptBatch:
     return PromptBatch(prompt_ids=[batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist() for r in rows],
                        raw_prompts=picked(batch.raw_prompts), ground_truths=picked(batch.ground_truths),
                        data_sources=picked(batch.data_sources), extra_infos=picked(batch.extra_infos),
-                       indices=list(rows))
+                       indices=list(rows), multi_modal_inputs=picked(batch.multi_modal_inputs or []))
 
 
 def decode_rows(tokenizer, token_ids, mask) -> list[str]:

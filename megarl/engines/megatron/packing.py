@@ -17,7 +17,9 @@ wherever no real token is.
 
 Images (a vision-language model's, ``image_tokens`` given): the rows' ``multi_modal_inputs`` ride along as one
 ``images`` dict per micro-batch (``pixel_values`` and ``image_grid_thw`` of its rows, row after row, the order in
-which the layout shows their image tokens), and ``position_ids`` are M-RoPE's ``[3, b, S]`` (packed: ``[3, 1, T]``).
+which the layout shows their image tokens, and ``image_slots``, the tokens that take them: an image token the policy
+sampled in a response is text, as the rollout engines read it), and ``position_ids`` are M-RoPE's ``[3, b, S]``
+(packed: ``[3, 1, T]``).
 
 Context parallelism (:func:`shard_for_context_parallel`): either layout, with every sequence (packed: every
 segment) padded to a multiple of ``2 * cp``, is cut into this CP rank's share of tokens, positions and
@@ -39,7 +41,7 @@ import torch
 
 from megarl.batch import UNKNOWN_EXPERT, TrainBatch
 from megarl.models.context_parallel import local_positions
-from megarl.models.vision_language import ImageTokens, mrope_position_ids
+from megarl.models.vision_language import ImageTokens, image_slots, mrope_position_ids
 
 # Fields laid out like the tokens (not like the responses): the MoE routing a batch replays
 # (:mod:`megarl.engines.megatron.routing_replay`), and ``token_codes`` (row * S + position of each token in
@@ -149,10 +151,23 @@ def _row_images(batch: TrainBatch, rows: list[int],
 def _mrope_real_positions(batch: TrainBatch, index: torch.Tensor, grids: list,
                           image_tokens: ImageTokens) -> list[torch.Tensor]:
     """Each row's ``[3, real tokens]`` M-RoPE positions."""
+    return [mrope_position_ids(ids, grid, image_token_id=image_tokens.image_token_id,
+                               spatial_merge_size=image_tokens.spatial_merge_size)
+            for ids, grid in zip(_real_ids(batch, index), grids)]
+
+
+def _real_image_slots(batch: TrainBatch, index: torch.Tensor, grids: list,
+                      image_tokens: ImageTokens) -> list[torch.Tensor]:
+    """Each row's ``[real tokens]`` image slots (:func:`~megarl.models.vision_language.image_slots`: a sampled
+    image token in a response is text)."""
+    return [image_slots(ids, grid, image_token_id=image_tokens.image_token_id,
+                        spatial_merge_size=image_tokens.spatial_merge_size)
+            for ids, grid in zip(_real_ids(batch, index), grids)]
+
+
+def _real_ids(batch: TrainBatch, index: torch.Tensor) -> list[torch.Tensor]:
     real = batch.attention_mask[index].bool()
-    ids = batch.input_ids[index]
-    return [mrope_position_ids(ids[i][real[i]], grids[i], image_token_id=image_tokens.image_token_id,
-                               spatial_merge_size=image_tokens.spatial_merge_size) for i in range(len(index))]
+    return [ids[mask] for ids, mask in zip(batch.input_ids[index], real)]
 
 
 def _counting_on(n: int, start, width: int) -> torch.Tensor:
@@ -184,7 +199,11 @@ def pad_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device, 
         "last_index": (batch.prompt_ids.shape[1] - 1 + batch.response_mask[index].sum(dim=1)).to(device),
     }
     if images:
-        mb["images"] = {name: value.to(device) for name, value in images.items()}
+        slots = torch.zeros(len(rows), batch.attention_mask.shape[1], dtype=torch.bool)
+        real = batch.attention_mask[index].bool()
+        for i, row_slots in enumerate(_real_image_slots(batch, index, grids, image_tokens)):
+            slots[i, real[i]] = row_slots
+        mb["images"] = {name: value.to(device) for name, value in {**images, "image_slots": slots}.items()}
     mb.update(_per_token_fields(batch, index, fields, device))
     for name in SEQUENCE_FIELDS:
         if name in fields:
@@ -276,8 +295,11 @@ def pack_rows(batch: TrainBatch, rows: list[int], fields: Iterable[str], device,
         "response_mask": response_mask.to(device).float(),
         "prompt_len": batch.prompt_ids.shape[1],
     }
-    if images:
-        mb["images"] = {name: value.to(device) for name, value in images.items()}
+    if images:  # the stream's image slots: each segment's, its padding and the padding segment none
+        slots = _pad_segments(torch.cat(_real_image_slots(batch, index, grids, image_tokens)), real_lens, seq_lens,
+                              lambda n, seg: seg.new_zeros(n))
+        slots = torch.cat([slots, slots.new_zeros(padding)])[None]
+        mb["images"] = {name: value.to(device) for name, value in {**images, "image_slots": slots}.items()}
     mb.update(_per_token_fields(batch, index, fields, device))
     for name in SEQUENCE_FIELDS:
         if name in fields:

@@ -18,8 +18,8 @@ Log-probs convention: `RolloutOutput.log_probs[t]` is the log-probability of the
 *processed* distribution that was actually sampled from (logits / temperature, then top-k / top-p
 renormalization); for greedy decoding it is the plain log-softmax of the logits.
 
-Leaves out: prompt log-probs, async/streaming generation; images only through the HF engine so far
-(`HFRolloutEngine.generate(..., multi_modal_inputs=...)`, a vision-language model's).
+Leaves out: prompt log-probs, async/streaming generation; images only through the HF engine so far (vLLM's
+engine refuses them).
 """
 
 from __future__ import annotations
@@ -119,8 +119,11 @@ class RolloutEngine(abc.ABC):
     """A generator of responses whose weights the trainer overwrites between steps."""
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
-        """Return `sampling.n` outputs per prompt, grouped by prompt in input order."""
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 multi_modal_inputs: list[dict | None] | None = None) -> list[RolloutOutput]:
+        """Return `sampling.n` outputs per prompt, grouped by prompt in input order. ``multi_modal_inputs``
+        (a vision-language model's): per prompt None or its images, ``{"pixel_values", "image_grid_thw"}`` as
+        :func:`megarl.data.vision_inputs.pixel_inputs` makes them, the prompt's image tokens already expanded."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -8,9 +8,10 @@ per `generate` call, consumed in a fixed order, makes a call reproducible for th
 Batching: prompts are left-padded, each repeated `n` times; rows that finished keep being fed a pad id
 and are ignored. A vision-language model (Qwen2.5-VL) takes each prompt's images (``multi_modal_inputs``) in the
 prefill, with M-RoPE positions placed as the trainer places them (:mod:`megarl.models.vision_language`); each
-generated token then counts on from its row's largest position, and the image placeholder token is never sampled
-(it would stand for an image nobody gave; a trained model gives it ~0 probability anyway). Leaves out: speculative
-decoding, continuous batching, paged KV cache, tensor parallelism (use the vLLM engine for throughput).
+generated token then counts on from its row's largest position. The image token is sampled like any other (the
+policy is the model's whole distribution, as in vLLM and the trainer) and a sampled one is text, as vLLM embeds it
+(:func:`~megarl.models.vision_language.image_slots`). Leaves out: speculative decoding, continuous batching, paged
+KV cache, tensor parallelism (use the vLLM engine for throughput).
 """
 
 from __future__ import annotations
@@ -195,9 +196,6 @@ class HFRolloutEngine(RolloutEngine):
                 for row, ids in enumerate(self._routed_this_step(num_rows, fed_real)):
                     routed[row].append(ids)
             logits = out.logits[:, -1, :]
-            if self.image_tokens is not None:  # a sampled placeholder would ask for an image nobody gave
-                logits = logits.clone()
-                logits[:, self.image_tokens.image_token_id] = float("-inf")
             token_log_probs = process_logits(logits, sampling)
             if sampling.is_greedy:
                 next_ids = token_log_probs.argmax(dim=-1)

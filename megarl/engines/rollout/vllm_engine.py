@@ -166,10 +166,13 @@ class VLLMRolloutEngine(RolloutEngine):
         self._checkpoint_shapes = read_checkpoint_shapes(
             model_path, weights_on_disk=llm_kwargs.get("load_format", "auto") != "dummy")
         config = json.loads((Path(model_path) / "config.json").read_text())
-        self.vocab_size = int(config["vocab_size"])
+        text = config.get("text_config") or config  # a vision-language model's decoder sizes are its text model's
+        self.vocab_size = int(text.get("vocab_size") or config["vocab_size"])
+        self.image_token_id = config.get("image_token_id")  # None: a text-only model
         # Trainers export the tied head too; vLLM's loader ignores `lm_head.weight` for tied models, so
         # it is accepted as an alias of the embedding (see update_weights).
-        self._tied = bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._checkpoint_shapes
+        tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
+        self._tied = bool(tied) and "lm_head.weight" not in self._checkpoint_shapes
 
         from vllm.platforms import current_platform
 
@@ -228,9 +231,15 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig) -> list[RolloutOutput]:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
+                 multi_modal_inputs: Optional[list[Optional[dict]]] = None) -> list[RolloutOutput]:
         from vllm.inputs import TokensPrompt
 
+        if multi_modal_inputs and any(multi_modal_inputs):
+            # vLLM's Qwen2.5-VL imports transformers' torchvision image processor, which no CPU build here has,
+            # and the GPU path has not run yet: refused rather than shipped untried
+            raise NotImplementedError("VLLMRolloutEngine: prompts with images are not supported yet; generate them "
+                                      "with the HF engine (actor_rollout_ref.rollout.name=hf)")
         self._check_ready("generate")
         validate_prompts(prompt_token_ids, self.vocab_size)
         check_prompt_seeds(prompt_token_ids, sampling)

@@ -110,7 +110,8 @@ def megatron_logits(rank: int, hf_dir: str) -> dict:
     return results
 
 
-RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27]]
+# the policy may sample the image token: in a response it is text (vLLM and the HF engine embed it so)
+RESPONSES = [[20, IMAGE, 22], [23, 24, IMAGE, IMAGE, 27]]
 
 
 def rollout_batch():
@@ -133,21 +134,37 @@ def rollout_batch():
                       response_mask=response_mask.long(), group_ids=["a", "b"], multi_modal_inputs=inputs)
 
 
-def transformers_response_log_probs(hf_dir: str) -> list[torch.Tensor]:
-    """log p(response token | everything before it), each row alone with its images, by transformers."""
+def transformers_model(hf_dir: str):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
-    batch, out = rollout_batch(), []
-    for row, (prompt, response) in enumerate(zip(ROWS, RESPONSES)):
-        ids = torch.tensor([prompt + response])
-        with torch.no_grad():
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
-                           **batch.multi_modal_inputs[row]).logits[0]
-        predicting = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-        out.append(predicting.gather(1, torch.tensor(response)[:, None])[:, 0])
-    return out
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+
+
+def scored_by_transformers(model, prompt: list[int], response: list[int], images: dict) -> torch.Tensor:
+    """log p(response token | everything before it) of one row with its images, by transformers: the image
+    features go into the prompt's image tokens only (a response's image tokens, sampled by the policy, are embedded
+    as text), positions are transformers' own ``get_rope_index`` of the prompt, counting on by one after it."""
+    ids = torch.tensor([prompt + response])
+    prompt_ids = ids[:, :len(prompt)]
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings()(ids)
+        features = model.model.visual(images["pixel_values"], grid_thw=images["image_grid_thw"])
+        embeddings[0, :len(prompt)][prompt_ids[0] == IMAGE] = getattr(features, "pooler_output", features)
+        prompt_positions, _ = model.model.get_rope_index(
+            prompt_ids, image_grid_thw=images["image_grid_thw"], mm_token_type_ids=(prompt_ids == IMAGE).int(),
+            attention_mask=torch.ones_like(prompt_ids))
+        after = prompt_positions.max() + 1 + torch.arange(len(response))
+        positions = torch.cat([prompt_positions, after.expand(3, 1, -1)], dim=-1)
+        logits = model(inputs_embeds=embeddings, position_ids=positions).logits[0]
+    predicting = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return predicting.gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def transformers_response_log_probs(hf_dir: str) -> list[torch.Tensor]:
+    model, batch = transformers_model(hf_dir), rollout_batch()
+    return [scored_by_transformers(model, prompt, response, batch.multi_modal_inputs[row])
+            for row, (prompt, response) in enumerate(zip(ROWS, RESPONSES))]
 
 
 def engine_log_probs(rank: int, hf_dir: str) -> dict:
@@ -273,9 +290,8 @@ def test_the_engine_scores_responses_to_images_like_transformers_padded_and_pack
 @pytest.mark.timeout(300)
 def test_the_hf_rollout_engine_samples_from_the_images_with_the_log_probs_a_whole_forward_gives(checkpoint):
     """The engine's KV-cached decoding (images in the prefill, positions counting on past each row's largest)
-    scores each sampled token as transformers' forward of the whole prompt + response does."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
+    scores each sampled token as transformers' forward of the whole prompt + response does (an image token it
+    samples is text)."""
     from megarl.engines.rollout.base import SamplingConfig
     from megarl.engines.rollout.hf_engine import HFRolloutEngine
 
@@ -283,17 +299,10 @@ def test_the_hf_rollout_engine_samples_from_the_images_with_the_log_probs_a_whol
     inputs = rollout_batch().multi_modal_inputs
     sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=6, logprobs=True, seed=3, ignore_eos=True)
     outputs = engine.generate([list(r) for r in ROWS], sampling, multi_modal_inputs=inputs)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
+    assert any(IMAGE in output.token_ids for output in outputs)  # seeded: the policy sampled an image token
+    model = transformers_model(checkpoint)
     for output in outputs:
-        prompt = ROWS[output.prompt_index]
-        ids = torch.tensor([prompt + output.token_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == IMAGE).int(),
-                           **inputs[output.prompt_index]).logits[0]
-        assert IMAGE not in output.token_ids  # never sampled: it would stand for an image nobody gave
-        logits[:, IMAGE] = float("-inf")  # the distribution the engine samples from
-        want = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(output.token_ids)[:, None])[:, 0]
+        want = scored_by_transformers(model, ROWS[output.prompt_index], output.token_ids, inputs[output.prompt_index])
         torch.testing.assert_close(torch.tensor(output.log_probs), want, atol=1e-5 * float(want.abs().max()), rtol=0)
     # the images reach the samples: other pixels, other log-probs of the same tokens
     blank = [{**row, "pixel_values": torch.zeros_like(row["pixel_values"])} for row in inputs]
@@ -318,3 +327,49 @@ def test_a_weight_sync_moves_every_part_of_the_model_into_the_rollout_engine(che
             torch.testing.assert_close(rollout[row][real], want, atol=1e-5 * float(want.abs().max()), rtol=0,
                                        msg=lambda m: f"rank {rank} row {row}: {m}")
             assert (rollout[row][real] - before[row]).abs().max() > 1e-2  # the sync changed the engine's model
+
+
+def tower_and_decoder_moved(rank: int, hf_dir: str) -> dict:
+    """One policy update on the image batch with the vision tower built frozen and built trainable: how far the
+    tower's and the language model's parameters moved."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megarl.engines.megatron.actor import ActorEngine
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.models.bridge import ModelBridge, unwrap_model
+    from megarl.models.hf_checkpoint import load_hf_weights
+    from megarl.models.vision_language import VISION_PREFIX
+
+    moved = {}
+    for trainable in (False, True):
+        layout = ParallelLayout(tensor_parallel=2)
+        initialize_megatron_parallel(layout=layout, seed=11)
+        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
+        config = bridge.transformer_config(layout=layout, perform_initialization=False)
+
+        def provide(pre_process, post_process, vp_stage=None):
+            return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
+                                      train_vision_tower=trainable)
+
+        actor = ActorEngine(model_provider=provide, config=config, micro_batch_size=2,
+                            optimizer_config=OptimizerConfig(lr=1e-2, clip_grad=0.0),
+                            vocab_size=bridge.dims.vocab_size)
+        load_hf_weights([unwrap_model(chunk) for chunk in actor.model], hf_dir, bridge)
+        actor.optimizer.reload_model_params()
+        before = {n: p.detach().clone() for n, p in unwrap_model(actor.model[0]).named_parameters()}
+        batch = rollout_batch()
+        batch.advantages = torch.tensor([[1.0] * 5, [-1.0] * 5]) * batch.response_mask
+        batch.old_log_probs = actor.compute_log_probs(batch)[0]
+        actor.update_policy(batch, loss_agg_mode="token-mean", norm_length=batch.response_ids.shape[1])
+        after = dict(unwrap_model(actor.model[0]).named_parameters())
+        change = {n: float((after[n] - value).abs().max()) for n, value in before.items()}
+        moved[trainable] = {part: max(v for n, v in change.items() if n.startswith(VISION_PREFIX) == is_tower)
+                            for part, is_tower in (("tower", True), ("decoder", False))}
+    return moved
+
+
+@pytest.mark.timeout(300)
+def test_freeze_vision_tower_keeps_the_tower_out_of_the_update_and_false_trains_it(checkpoint):
+    for rank, moved in enumerate(run_distributed(tower_and_decoder_moved, 2, checkpoint, timeout_s=240)):
+        assert moved[False]["tower"] == 0 and moved[False]["decoder"] > 0, (rank, moved)
+        assert moved[True]["tower"] > 0 and moved[True]["decoder"] > 0, (rank, moved)

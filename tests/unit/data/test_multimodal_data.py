@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 from megarl.data.dataset import RLDataset, collate_prompts
 from megarl.data.images import IMAGE_TYPE, open_image
 from megarl.data.preprocess import main as preprocess
-from megarl.data.shapes_task import COLOURS, draw_shapes, make_shapes_example, write_shapes_dataset
-from megarl.data.tokenizer import write_local_tokenizer
+from megarl.data.shapes_task import COLOURS, QUESTIONS, draw_shapes, make_shapes_example, write_shapes_dataset
+from megarl.data.tokenizer import unsupported_characters, write_local_tokenizer
 from megarl.rewards.routing import ScorerRouter
 
 
@@ -62,14 +62,19 @@ def test_every_question_kind_is_answered_from_the_picture():
     for _ in range(60):
         png, question, answer = make_shapes_example(rng)
         shapes, colour, _ = _measure(png)
-        if question.startswith("How many"):
+        if question.startswith("how many"):
             assert answer == str(shapes)
-        elif question.startswith("What colour"):
+        elif question.startswith("what colour"):
             assert answer == colour
         else:
             assert answer in ("circle", "square", "triangle")
         seen.add(question.split()[0])
-    assert seen == {"How", "What", "Which"}
+        assert not unsupported_characters(question)  # the embedded tokenizer reads every character
+    assert seen == {"how", "what", "which"}
+    only_counts = {make_shapes_example(rng, kinds=("count",))[1] for _ in range(20)}
+    assert only_counts == {QUESTIONS["count"]}
+    with pytest.raises(ValueError, match="choose from"):
+        make_shapes_example(rng, kinds=("size",))
 
 
 def test_the_shapes_dataset_reads_back_with_its_images_and_scores_exactly(tmp_path, tokenizer):
@@ -85,7 +90,9 @@ def test_the_shapes_dataset_reads_back_with_its_images_and_scores_exactly(tmp_pa
     for item in dataset.items:
         score = router.scorer_for(item.data_source)
         assert score(f"I see it. \\boxed{{{item.ground_truth}}}", item.ground_truth) == 1.0
-        assert score("\\boxed{7}", item.ground_truth) == 0.0
+        assert score(f" {item.ground_truth.upper()}<|im_end|>", item.ground_truth) == 1.0  # bare, any case
+        assert score("\\boxed{7}", item.ground_truth) < 0.9
+        assert score("zz", item.ground_truth) < 0.9
 
 
 def _image_rows(path, prompts, images):

@@ -70,6 +70,23 @@ def test_resolve_embedded_and_local_specs(tmp_path):
         resolve_data_files("embedded:digits", split="test", cache_root=tmp_path)
 
 
+def test_the_embedded_shapes_task_is_generated_once_with_the_kinds_asked(tmp_path):
+    spec = "embedded:shapes?kinds=count&n_train=6&n_val=2&size=56"
+    (train,) = resolve_data_files(spec, cache_root=tmp_path)
+    (val,) = resolve_data_files(spec, split="val", cache_root=tmp_path)
+    table = pq.read_table(train).to_pylist()
+    assert len(table) == 6 and pq.read_table(val).num_rows == 2
+    assert all(row["prompt"][0]["content"].startswith("<image>how many shapes") for row in table)
+    assert all(row["reward_model"]["ground_truth"] in "1234" and len(row["images"]) == 1 for row in table)
+    mtime = train.stat().st_mtime_ns
+    assert resolve_data_files(spec, cache_root=tmp_path) == [train] and train.stat().st_mtime_ns == mtime
+    assert [p.name for p in train.parent.parent.iterdir()] == [train.parent.name]  # no staging folder left
+    with pytest.raises(ValueError, match="choose from"):
+        resolve_data_files("embedded:shapes?kinds=size", cache_root=tmp_path)
+    with pytest.raises(ValueError, match="non-integer parameter.*size='big'"):
+        resolve_data_files("embedded:shapes?size=big", cache_root=tmp_path)
+
+
 @pytest.mark.parametrize(
     "response,target,expected",
     [

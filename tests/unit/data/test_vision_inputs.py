@@ -62,14 +62,22 @@ def test_a_vision_language_dataset_writes_each_image_as_its_tokens_and_counts_th
         RLDataset(train, tokenizer, max_prompt_length=tight, vision=vision)
 
 
-def test_the_trainer_refuses_a_vision_language_policy_before_starting_naming_the_key(tmp_path):
+def test_the_trainer_refuses_what_it_does_not_run_with_images_naming_the_keys(tmp_path):
     from megarl.config import ConfigError
-    from megarl.trainer.main import refuse_vision_language
+    from megarl.run_config import load_config
+    from megarl.trainer.main import vision_language_policy
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen2_5_vl", "image_token_id": 9, "vision_start_token_id": 7, "vision_end_token_id": 8,
         "vision_config": {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}))
-    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.* is a vision-language model"):
-        refuse_vision_language(tmp_path)
+    runs = load_config(None, ["actor_rollout_ref.rollout.name=hf"])
+    assert vision_language_policy(runs, tmp_path).image_pad_id == 9
+    refused = load_config(None, ["actor_rollout_ref.rollout.name=vllm", "algorithm.adv_estimator=gae",
+                                 "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+                                 "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.* is a vision-language model") as error:
+        vision_language_policy(refused, tmp_path)
+    for key in ("rollout.name=vllm", "critic", "context_parallel_size"):
+        assert key in str(error.value)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    refuse_vision_language(tmp_path)
+    assert vision_language_policy(refused, tmp_path) is None  # a text model: nothing refused here

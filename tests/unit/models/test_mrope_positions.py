@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.models.vision_language import batch_mrope_position_ids, mrope_position_ids
+from megarl.models.vision_language import batch_mrope_position_ids, image_slots, mrope_position_ids
 
 I = 99  # the image token
 
@@ -42,10 +42,18 @@ def test_a_padded_batch_places_each_rows_positions_on_its_real_tokens():
     assert got[:, 1].tolist() == [[0, 0, 0, 1]] * 3
 
 
+def test_image_tokens_past_the_images_are_text_there_and_in_the_slots():
+    """A sampled image token (in a response) counts on like text and takes no image embedding."""
+    ids = [1, I, 2, I, I]  # a 1-token image, then text, then two image tokens the policy sampled
+    assert positions(ids, [[1, 2, 2]]) == [[0, 1, 2, 3, 4]] * 3
+    assert positions([1, I], None) == [[0, 1]] * 3  # no images at all: every image token is text
+    slots = image_slots(torch.tensor(ids), torch.tensor([[1, 2, 2]]), image_token_id=I, spatial_merge_size=2)
+    assert slots.tolist() == [False, True, False, False, False]
+    assert not image_slots(torch.tensor(ids), None, image_token_id=I, spatial_merge_size=2).any()
+
+
 @pytest.mark.parametrize("ids,grids,message", [
     ([1, I, 2], [[1, 4, 4]], "token 1: image 1 has 1 placeholder tokens, its grid (1, 4, 4) merged by 2 needs 4"),
-    ([1, I, I, 2], [[1, 2, 2]], "token 2: image 2 has no image_grid_thw row (1 given"),
-    ([1, I, 2], None, "token 1: image 1 has no image_grid_thw row (0 given"),
     ([1, 2], [[1, 2, 2]], "1 images in image_grid_thw, 0 runs of image tokens"),
 ])
 def test_images_and_grids_that_disagree_are_refused_saying_where(ids, grids, message):
