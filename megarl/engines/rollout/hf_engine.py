@@ -175,10 +175,10 @@ class HFRolloutEngine(RolloutEngine):
         step_ids = input_ids
         routed: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]
         fed_real = attention_mask.bool()  # which of the tokens fed this step are real (not padding)
-        prefill_images, next_position = {}, None
+        prefill_embeddings, next_position = None, None
         if self.image_tokens is not None:  # M-RoPE: [3, rows, P] for the prompts, then one more per token
             row_inputs = [None if multi_modal_inputs is None else multi_modal_inputs[index] for index, _ in rows]
-            prefill_positions, prefill_images = self._image_prefill(input_ids, attention_mask, row_inputs)
+            prefill_positions, prefill_embeddings = self._image_prefill(input_ids, attention_mask, row_inputs)
             next_position = prefill_positions.amax(dim=(0, 2)) + 1
         for step in range(sampling.max_tokens):
             if next_position is None:
@@ -188,9 +188,11 @@ class HFRolloutEngine(RolloutEngine):
             else:
                 position_ids = next_position[None, :, None].expand(3, -1, 1)
                 next_position = next_position + 1
-            out = self.model(input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past, use_cache=True, logits_to_keep=1,
-                             **(prefill_images if step == 0 else {}))
+            # the prefill of prompts with images goes in as embeddings, the images' in their slots
+            tokens = {"inputs_embeds": prefill_embeddings} if step == 0 and prefill_embeddings is not None else {
+                "input_ids": step_ids}
+            out = self.model(**tokens, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             if self._routing is not None:
                 for row, ids in enumerate(self._routed_this_step(num_rows, fed_real)):
@@ -233,21 +235,33 @@ class HFRolloutEngine(RolloutEngine):
         ]
 
     def _image_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       row_inputs: list[dict | None]) -> tuple[torch.Tensor, dict]:
-        """M-RoPE positions ``[3, rows, P]`` of the left-padded prompts, and the images for the model."""
-        from megarl.models.vision_language import batch_mrope_position_ids
+                       row_inputs: list[dict | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """M-RoPE positions ``[3, rows, P]`` of the left-padded prompts, and (when any row has images) the prompts'
+        embeddings with the image features in each row's image slots
+        (:func:`~megarl.models.vision_language.image_slots`: an image token a multi-turn prompt holds from an
+        earlier turn's sampling stays text, as in the trainer)."""
+        from megarl.models.vision_language import batch_mrope_position_ids, image_slots
 
         with_images = [inputs for inputs in row_inputs if inputs is not None]
         grids = torch.cat([inputs["image_grid_thw"] for inputs in with_images]) if with_images else None
         counts = [0 if inputs is None else len(inputs["image_grid_thw"]) for inputs in row_inputs]
-        positions = batch_mrope_position_ids(input_ids, attention_mask, grids, counts,
-                                             image_token_id=self.image_tokens.image_token_id,
-                                             spatial_merge_size=self.image_tokens.spatial_merge_size)
+        merge, image_id = self.image_tokens.spatial_merge_size, self.image_tokens.image_token_id
+        positions = batch_mrope_position_ids(input_ids, attention_mask, grids, counts, image_token_id=image_id,
+                                             spatial_merge_size=merge)
         if not with_images:
-            return positions, {}
-        pixels = torch.cat([inputs["pixel_values"] for inputs in with_images])
-        return positions, {"pixel_values": pixels.to(self.device), "image_grid_thw": grids.to(self.device),
-                           "mm_token_type_ids": (input_ids == self.image_tokens.image_token_id).int()}
+            return positions, None
+        slots = torch.stack([image_slots(ids, None if inputs is None else inputs["image_grid_thw"],
+                                         image_token_id=image_id, spatial_merge_size=merge)
+                             for ids, inputs in zip(input_ids.cpu(), row_inputs)]).to(self.device)
+        pixels = torch.cat([inputs["pixel_values"] for inputs in with_images]).to(self.device)
+        tower = self.model.model.visual
+        features = tower(pixels.to(tower.dtype), grid_thw=grids.to(self.device))
+        features = getattr(features, "pooler_output", features)  # merged: one row per image token, in row order
+        if int(slots.sum()) != features.shape[0]:
+            raise ValueError(f"{int(slots.sum())} image tokens in the prompts, the vision tower made "
+                             f"{features.shape[0]} image embeddings from their image_grid_thw")
+        embeddings = self.model.get_input_embeddings()(input_ids)
+        return positions, embeddings.masked_scatter(slots.unsqueeze(-1), features.to(embeddings.dtype))
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
