@@ -43,12 +43,18 @@ class ConfigFields:
     def __init__(self, data: dict):
         self._data = dict(data)
 
+    def to_dict(self) -> dict:
+        """The fields as config.json holds them (transformers' configs have the same method)."""
+        return dict(self._data)
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         value = config_field(self._data, name, _ABSENT)
         if value is _ABSENT:
             raise AttributeError(f"config.json has no {name!r}")
+        if name.endswith("_config") and isinstance(value, dict):  # a section (text_config, vision_config)
+            return ConfigFields(value)
         return value
 
 

@@ -206,9 +206,11 @@ def _section(hf_config: Any, name: str, source: str) -> Any:
 
 
 def _read_vision_language_dims(hf_config: Any, model_type: str, source: str) -> ModelDims:
-    """Qwen2.5-VL: a Qwen2 language model (``text_config``) and a vision tower (``vision_config``)."""
-    text = _section(hf_config, "text_config", source)
+    """Qwen2.5-VL: a Qwen2 language model (``text_config``, or the top-level fields in the flat layout of the
+    published config.json) and a vision tower (``vision_config``)."""
+    text = _field(hf_config, "text_config") or hf_config
     fields = dict(text) if isinstance(text, Mapping) else text.to_dict()
+    fields.pop("vision_config", None)
     tied = _field(hf_config, "tie_word_embeddings", fields.get("tie_word_embeddings", False))
     language = read_model_dims({**fields, "model_type": "qwen2", "tie_word_embeddings": tied},
                                source=f"{source} text_config")

@@ -130,10 +130,14 @@ def batch_mrope_position_ids(input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 def build_vision_tower(vision_config: Any) -> torch.nn.Module:
-    """transformers' Qwen2.5-VL vision tower (patch embedding, blocks, merger) for ``vision_config``."""
+    """transformers' Qwen2.5-VL vision tower (patch embedding, blocks, merger) for ``vision_config`` (a transformers
+    config, or config.json's section as the converters read it)."""
+    from transformers import Qwen2_5_VLConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     config = vision_config
+    if not hasattr(config, "sub_configs"):  # config.json's fields: transformers' class fills its defaults
+        config = Qwen2_5_VLConfig(vision_config=config.to_dict()).vision_config
     if getattr(config, "_attn_implementation", None) is None:
         config._attn_implementation = "sdpa"
     return Qwen2_5_VisionTransformerPretrainedModel._from_config(config)

@@ -106,6 +106,7 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         rollout_weight_bytes=_DTYPE_BYTES.get(arr.rollout.dtype, 2),
         lora_rank=lora.rank if lora else 0,
         lora_targets=resolve_targets(lora.target_modules) if lora else TrainingSpec.lora_targets,
+        train_vision_tower=not arr.actor.freeze_vision_tower and lora is None,
     )
     hf_config = read_hf_config(model_path)
     quantization = hf_config.get("quantization_config") or {}

@@ -74,6 +74,8 @@ class TrainingSpec:
     # no optimizer state), the reference is the base with the adapters off (no second model)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    # a vision-language model's tower trains (grads, optimizer state) instead of staying frozen (weights only)
+    train_vision_tower: bool = False
 
 
 def split_pipeline_layers(num_layers: int, layout: LayoutSpec) -> tuple[list[int], list[str]]:

@@ -429,8 +429,9 @@ def plan_layout(
             d, e = _layer_gpu_params(layer, layout)
             dense += d
             expert += e
+        tower = params.vision_tower if is_first else 0  # whole on every TP rank, frozen unless trained
         if is_first:
-            dense += vocab_shard
+            dense += vocab_shard + tower
         if is_last:
             dense += params.final_norm
             if not dims.tie_word_embeddings or layout.parallel.pipeline_parallel > 1:
@@ -448,7 +449,9 @@ def plan_layout(
         stage_params = dense + expert
         pb, gb = training.param_bytes, training.grad_bytes
         shard_params = dense / dense_shards + expert / expert_shards  # what this GPU's optimizer steps
-        trained = stage_params  # what has grads and optimizer state
+        trained = stage_params - (0 if training.train_vision_tower else tower)  # what has grads and optimizer state
+        if not training.train_vision_tower:
+            shard_params -= tower / dense_shards
         if training.lora_rank:  # adapters only (replicated over TP: counted whole, an upper bound)
             trained = n_layers * lora_params_per_layer(dims, training.lora_rank, training.lora_targets)
             shard_params = trained / dense_shards

@@ -5,6 +5,9 @@ over tensor parallelism (attention projections, dense MLP, shared experts), weig
 whole (norms, router, expert score bias), and routed experts (split over expert parallelism). The
 memory planner multiplies these by bytes and divides by the parallel sizes.
 
+A vision-language model's vision tower (Qwen2.5-VL's: patch embedding, blocks, merger) is ``vision_tower``, in
+``total`` but not in ``active`` (it runs once per image, not per token); every TP rank holds it whole.
+
 DeepSeek multi-token-prediction (MTP) modules are counted apart from ``total``: DeepSeek's 671B excludes
 them, its 685B checkpoint includes them together with the MTP module's own copies of the embedding and
 output head (``mtp`` counts those copies, ``mtp_unique`` does not).
@@ -47,6 +50,7 @@ class ParamCount:
     mtp_layer: LayerParams | None  # the decoder block of one MTP module (plus its projection and norms)
     mtp_unique: int  # all MTP modules, without their copies of embedding and head
     mtp: int  # all MTP modules as stored in the HF checkpoint (with those copies)
+    vision_tower: int = 0  # a vision-language model's tower (in total, not in active)
 
     @property
     def total_with_mtp(self) -> int:
@@ -123,7 +127,8 @@ def count_parameters(hf_config: Mapping[str, Any] | ModelDims) -> ParamCount:
     embedding = dims.vocab_size * dims.hidden_size
     head = 0 if dims.tie_word_embeddings else embedding
     final_norm = dims.hidden_size
-    total = embedding + head + final_norm + sum(layer.total for layer in per_layer)
+    vision_tower = _count_vision_tower(dims.vision) if dims.vision is not None else 0
+    total = embedding + head + final_norm + sum(layer.total for layer in per_layer) + vision_tower
     active = embedding + head + final_norm + sum(layer.active for layer in per_layer)
 
     mtp_layer = None
@@ -151,4 +156,16 @@ def count_parameters(hf_config: Mapping[str, Any] | ModelDims) -> ParamCount:
         mtp_layer=mtp_layer,
         mtp_unique=mtp_unique,
         mtp=mtp,
+        vision_tower=vision_tower,
     )
+
+
+def _count_vision_tower(vision) -> int:
+    """Qwen2.5-VL's tower: a bias-free patch convolution, blocks of (norm, qkv, proj, norm, gated MLP, all linears
+    with biases), and the merger (norm, then an MLP from merge^2 patches to the language model's width)."""
+    h, w = vision.hidden_size, vision.intermediate_size
+    patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2 * h
+    block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * w + w) + (w * h + h)
+    merged = h * vision.spatial_merge_size ** 2
+    merger = h + (merged * merged + merged) + (merged * vision.out_hidden_size + vision.out_hidden_size)
+    return patch + vision.depth * block + merger

@@ -40,7 +40,10 @@ class Qwen2_5_VLArchitecture(Architecture):
 
     @staticmethod
     def text_config(hf: Any) -> Any:
-        return hf.text_config
+        """The language model's fields: ``text_config`` (transformers fills it from a flat config.json too), or
+        the top level of a flat config.json read as it is (the converters' and planner's
+        :class:`~megarl.models.hf_config.ConfigFields`)."""
+        return getattr(hf, "text_config", None) or hf
 
     def refuse_unsupported(self, hf: Any) -> None:
         Qwen2Architecture().refuse_unsupported(self.text_config(hf))

@@ -14,6 +14,7 @@ from megarl.data.shapes_task import write_shapes_dataset
 from megarl.data.tokenizer import ALPHABET, VISION_TOKENS, build_char_tokenizer
 from megarl.data.vision_inputs import VisionTokens
 from megarl.models.embedded import ensure_embedded_model
+from megarl.plan import count_parameters
 
 
 def test_the_tiny_vision_language_model_reads_a_picture_as_the_dataset_prepares_it(tmp_path):
@@ -39,6 +40,9 @@ def test_the_tiny_vision_language_model_reads_a_picture_as_the_dataset_prepares_
     ids = torch.tensor(batch.prompt_ids)
     assert (ids == pad).sum(dim=1).tolist() == [4, 4]  # 64 px -> 56 px: 4 x 4 patches, merged 2 x 2
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    counted = count_parameters(config)  # the planner's count, vision tower included
+    assert counted.total == sum(p.numel() for p in model.parameters())
+    assert counted.vision_tower == sum(p.numel() for p in model.model.visual.parameters())
     with torch.no_grad():
         logits = [model(input_ids=row[None], mm_token_type_ids=(row[None] == pad).int(), **inputs).logits
                   for row, inputs in zip(ids, batch.multi_modal_inputs)]

@@ -10,6 +10,8 @@ unpadded, in fp32. The M-RoPE positions are compared with transformers' ``get_ro
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,7 +74,9 @@ def transformers_logits(hf_dir: str) -> list[torch.Tensor]:
     return out
 
 
-def megatron_logits(rank: int, hf_dir: str) -> dict:
+def megatron_logits(rank: int, hf_dir: str, torch_dist_dir: str | None = None) -> dict:
+    """Logits at TP=1 and TP=2 of the model loaded from ``hf_dir`` by megarl's HF loader, and at TP=2 from
+    ``torch_dist_dir`` (its conversion) by plain megatron-core, if given."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -89,13 +93,20 @@ def megatron_logits(rank: int, hf_dir: str) -> dict:
     attention_mask = (torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]
                       | (mask == 0)[:, None, None, :])
     results = {}
-    for label, tp in (("tp1", 1), ("tp2", 2)):
+    runs = [("tp1", 1), ("tp2", 2)] + ([("tp2_torch_dist", 2)] if torch_dist_dir else [])
+    for label, tp in runs:
         layout = ParallelLayout(tensor_parallel=tp)
         initialize_megatron_parallel(layout=layout, seed=11)
         bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
         config = bridge.transformer_config(layout=layout, perform_initialization=False)
         model = bridge.build_model(config=config, pre_process=True, post_process=True).eval()
-        load_hf_weights([model], hf_dir, bridge)
+        if label.endswith("torch_dist"):
+            from megatron.core import dist_checkpointing
+
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, f"{torch_dist_dir}/iter_0000000")
+            model.load_state_dict(loaded["model"], strict=True)
+        else:
+            load_hf_weights([model], hf_dir, bridge)
         with torch.no_grad():
             logits = model(input_ids, positions, attention_mask, pixel_values=pixel_values,
                            image_grid_thw=grids).contiguous()
@@ -373,3 +384,31 @@ def test_freeze_vision_tower_keeps_the_tower_out_of_the_update_and_false_trains_
     for rank, moved in enumerate(run_distributed(tower_and_decoder_moved, 2, checkpoint, timeout_s=240)):
         assert moved[False]["tower"] == 0 and moved[False]["decoder"] > 0, (rank, moved)
         assert moved[True]["tower"] > 0 and moved[True]["decoder"] > 0, (rank, moved)
+
+
+@pytest.mark.timeout(300)
+def test_the_converters_take_the_whole_model_both_ways_and_megatron_loads_it(checkpoint, tmp_path):
+    """HF -> torch_dist (the vision tower's tensors beside the decoder's) loads into megatron at TP=2 with plain
+    megatron-core and gives transformers' logits; torch_dist -> HF gives back every tensor bit for bit."""
+    from safetensors.torch import load_file
+
+    from megarl.checkpoint_io.hf_to_mcore import convert_hf_to_mcore
+    from megarl.checkpoint_io.mcore_to_hf import convert_mcore_to_hf
+
+    convert_hf_to_mcore(checkpoint, tmp_path / "mcore", workers=1)
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", workers=1)
+
+    def tensors(folder):
+        return {name: t for file in sorted(folder.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+    original, back = tensors(Path(checkpoint)), tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original) and any(name.startswith("visual.") for name in back)
+    assert all(torch.equal(back[name], original[name]) for name in original)
+    want = transformers_logits(checkpoint)
+    _, mask, _, _ = padded_batch()
+    for rank, results in enumerate(run_distributed(megatron_logits, 2, checkpoint, str(tmp_path / "mcore"),
+                                                   timeout_s=240)):
+        for row, expected in enumerate(want):
+            got = results["tp2_torch_dist"][row][mask[row].bool()]
+            torch.testing.assert_close(got, expected, atol=1e-5 * float(expected.abs().max()), rtol=0,
+                                       msg=lambda m: f"rank {rank} row {row}: {m}")

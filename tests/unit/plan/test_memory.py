@@ -34,6 +34,17 @@ def test_llama_8b_training_state_by_hand():
     assert phase(unsharded, "actor train").components["actor optimizer (fp32 master+m+v)"] == 12 * total
 
 
+def test_a_frozen_vision_tower_has_weights_but_no_grads_or_optimizer_state():
+    config, layout = load("qwen2_5_vl_7b_instruct"), LayoutSpec(world_size=8)
+    tower = count_parameters(config).vision_tower
+    frozen, trained = (phase(plan_layout(config, layout, TrainingSpec(global_batch_size=64, train_vision_tower=t),
+                                         80), "actor train").components for t in (False, True))
+    assert frozen["actor params (bf16)"] == trained["actor params (bf16)"]  # the tower's weights either way
+    assert trained["actor main grads (fp32)"] - frozen["actor main grads (fp32)"] == 4 * tower
+    assert trained["actor optimizer (fp32 master+m+v)"] - frozen["actor optimizer (fp32 master+m+v)"] == \
+        pytest.approx(12 * tower / 8)
+
+
 def test_llama_8b_layer_activation_by_hand():
     dims = read_model_dims(load("llama3_1_8b"))
     T, h, f = 4096, 4096, 14336

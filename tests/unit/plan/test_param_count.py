@@ -18,6 +18,7 @@ def load(name: str) -> dict:
     "name, published_total",
     [
         ("qwen2_5_7b_instruct", 7.62e9),
+        ("qwen2_5_vl_7b_instruct", 8.29e9),  # its vision tower: 0.68B
         ("llama3_1_8b", 8.03e9),
         ("llama3_1_70b", 70.6e9),
         ("qwen3_8b", 8.19e9),
@@ -80,3 +81,12 @@ def test_unknown_model_type_and_missing_key_are_named():
     del config["intermediate_size"]
     with pytest.raises(ValueError, match="'intermediate_size'"):
         count_parameters(config)
+
+
+def test_a_vision_language_models_tower_is_in_total_not_in_active():
+    vl, text = count_parameters(load("qwen2_5_vl_7b_instruct")), count_parameters(load("qwen2_5_7b_instruct"))
+    assert vl.total - vl.vision_tower == text.total and vl.active == text.active  # the same language model
+    # 14 x 14 x 2 x 3 patch conv, 32 blocks of width 1280 (gated MLP of 3420, biases), merger 5120 -> 3584
+    block = 2 * 1280 + (1280 * 3840 + 3840) + (1280 * 1280 + 1280) + 2 * (1280 * 3420 + 3420) + (3420 * 1280 + 1280)
+    merger = 1280 + (5120 * 5120 + 5120) + (5120 * 3584 + 3584)
+    assert vl.vision_tower == 3 * 2 * 14 * 14 * 1280 + 32 * block + merger
