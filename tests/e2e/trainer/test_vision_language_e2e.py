@@ -39,28 +39,18 @@ def test_vision_language_grpo_learns_on_the_pictures_with_the_rollouts_log_probs
 
 
 @pytest.mark.timeout(600)
-def test_one_step_off_generates_from_the_images_on_a_separate_rollout_worker(tmp_path):
-    from megarl.trainer.main import run
-
-    history = run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
-                          "async_training.mode=one_step_off", "trainer.placement=separate",
-                          "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1"))
-    # step 1's batch was generated with the initial weights, which the actor scores it with: equal log-probs
-    # prove the separate worker saw the images; step 2's came one update behind
-    assert history[0]["rollout/log_prob_diff_max"] < 1e-4, history[0]["rollout/log_prob_diff_max"]
-    assert history[1]["rollout/log_prob_diff_max"] > 1e-4
-
-
-@pytest.mark.timeout(600)
-def test_every_turn_of_a_conversation_sees_the_prompts_picture(tmp_path):
-    """Multi-turn rollouts of the vision-language policy (the calculator forced on every turn, as in
-    test_agent_e2e.py): each turn's prompt is the conversation so far, its image tokens still the prompt's, so the
-    engine takes the picture again at every turn; the trainer's log-probs of every generated token equal the
-    engine's."""
+def test_conversations_one_step_off_see_the_prompts_picture_on_every_turn(tmp_path):
+    """Multi-turn rollouts (the calculator forced on every turn, as in test_agent_e2e.py) generated one step off
+    on a separate rollout worker: each turn's prompt is the conversation so far, its image tokens still the
+    prompt's, so the engine takes the picture again at every turn (an image token an earlier turn sampled stays
+    text). Step 1's batch was generated with the initial weights, which the actor scores it with: the trainer's
+    log-probs of every generated token equal the engine's; step 2's came one update behind."""
     from megarl.trainer.main import run
     from tests.e2e.trainer.test_agent_e2e import MULTI_TURN
 
-    history = run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1", *MULTI_TURN))
-    for h in history:
-        assert h["agent/tool_calls/mean"] > 0.5 and h["agent/turns/mean"] > 1, h
-        assert h["rollout/log_prob_diff_max"] < 1e-4, (h["step"], h["rollout/log_prob_diff_max"])
+    history = run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1", *MULTI_TURN,
+                          "async_training.mode=one_step_off", "trainer.placement=separate",
+                          "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1"))
+    assert all(h["agent/tool_calls/mean"] > 0.5 and h["agent/turns/mean"] > 1 for h in history), history
+    assert history[0]["rollout/log_prob_diff_max"] < 1e-4, history[0]["rollout/log_prob_diff_max"]
+    assert history[1]["rollout/log_prob_diff_max"] > 1e-4
