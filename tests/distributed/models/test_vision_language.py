@@ -186,8 +186,9 @@ def engine_log_probs(rank: int, hf_dir: str) -> dict:
     from megarl.models.hf_checkpoint import load_hf_weights
 
     results = {}
-    for label, tp, packing in (("tp1_padded", 1, False), ("tp1_packed", 1, True), ("tp2_packed", 2, True)):
-        layout = ParallelLayout(tensor_parallel=tp)
+    for label, tp, pp, packing in (("tp1_padded", 1, 1, False), ("tp1_packed", 1, 1, True),
+                                   ("tp2_packed", 2, 1, True), ("pp2_padded", 1, 2, False)):
+        layout = ParallelLayout(tensor_parallel=tp, pipeline_parallel=pp)
         initialize_megatron_parallel(layout=layout, seed=11)
         bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
         config = bridge.transformer_config(layout=layout, perform_initialization=False)
@@ -286,7 +287,7 @@ def test_the_bridge_names_every_vision_tensor_and_maps_it_both_ways(checkpoint):
 
 
 @pytest.mark.timeout(300)
-def test_the_engine_scores_responses_to_images_like_transformers_padded_and_packed(checkpoint):
+def test_the_engine_scores_responses_to_images_like_transformers_padded_packed_tp2_and_pp2(checkpoint):
     reference = transformers_response_log_probs(checkpoint)
     per_rank = run_distributed(engine_log_probs, 2, checkpoint, timeout_s=240)
     for rank, results in enumerate(per_rank):
