@@ -129,7 +129,7 @@ def test_script_end_to_end_on_cpu_uniform_padded_packed_and_hf_packed(tmp_path):
            "--prompt-len", "32", "--response-len", "64", "--rows", "8", "--group-size", "4",
            "--response-len-dist", "uniform", "--max-tokens-per-micro-batch", "padded,192,384",
            "--hf-attn", "sdpa", "--hf-micro-batch-size", "1,2", "--hf-packed",
-           "--warmup", "1", "--iters", "2", "--out", str(out)]
+           "--warmup", "1", "--iters", "1", "--out", str(out)]
     # A torch.distributed world left in this process's environment (e.g. by an in-process trainer test) must
     # not leak into the script's own one-rank world.
     env = {k: v for k, v in os.environ.items()
@@ -156,7 +156,7 @@ def test_script_end_to_end_on_cpu_uniform_padded_packed_and_hf_packed(tmp_path):
         assert m["real_tokens"] == entry["tokens_per_step"], key
         assert stats["tokens_per_s"] > 0 and stats["achieved_tflops"] > 0 and stats["mfu_vs_spec"] > 0, key
         assert stats["tokens_per_s"] == pytest.approx(entry["tokens_per_step"] / stats["median_s"]), key
-        assert stats["iters"] == 2, key
+        assert stats["iters"] == 1, key
         if num_mb is not None:
             assert m["num_micro_batches"] == num_mb, key
         if layout == "packed":
