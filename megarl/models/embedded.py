@@ -24,7 +24,7 @@ from megarl.data.vision_inputs import VisionTokens
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_SEED = 1234
 # Part of the cache path: bump it whenever what _write_model_dir writes changes, so old caches are not reused.
-EMBEDDED_FORMAT = "v2"
+EMBEDDED_FORMAT = "v3"
 # Seeding and drawing the init go through torch's global RNG: two threads building at once would interleave
 # draws and get different weights. Processes are safe (own RNG); the rename handles them.
 _BUILD_LOCK = threading.Lock()
@@ -175,13 +175,13 @@ def _write_model_dir(out: Path, spec: dict) -> None:
     config.save_pretrained(out)
     if moe or vision:  # transformers' in-memory names (fused experts, model.language_model.*) are not the
         model.save_pretrained(out)  # checkpoint's; its save writes the checkpoint's
+    else:  # save_file directly (no tied weights to dedupe): quiet, one file, the metadata HF loaders check for.
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     if vision:  # the pixel bounds vLLM and megarl's dataset read
         tokens = VisionTokens(image_pad_id=config.image_token_id, vision_start_id=config.vision_start_token_id,
                               vision_end_id=config.vision_end_token_id, **_TINY_VISION_PIXELS)
         tokens.image_processor().save_pretrained(out)
-    else:  # save_file directly (no tied weights to dedupe): quiet, one file, the metadata HF loaders check for.
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     # Only token ids, no sampling defaults: vLLM applies generation_config sampling fields over the caller's.
     # <|endoftext|> also ends generation (as in Qwen): otherwise a policy learns to fill its answer with it,
     # since decoding with skip_special_tokens hides it from the reward.

@@ -167,8 +167,7 @@ class VLLMRolloutEngine(RolloutEngine):
             model_path, weights_on_disk=llm_kwargs.get("load_format", "auto") != "dummy")
         config = json.loads((Path(model_path) / "config.json").read_text())
         text = config.get("text_config") or config  # a vision-language model's decoder sizes are its text model's
-        self.vocab_size = int(text.get("vocab_size") or config["vocab_size"])
-        self.image_token_id = config.get("image_token_id")  # None: a text-only model
+        self.vocab_size = int(text["vocab_size"])
         # Trainers export the tied head too; vLLM's loader ignores `lm_head.weight` for tied models, so
         # it is accepted as an alias of the embedding (see update_weights).
         tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
