@@ -16,9 +16,7 @@ Left out: curricula and tasks needing multi-step reasoning; this exists to show 
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import parse_qsl
@@ -122,12 +120,8 @@ def _ensure_embedded_digits(spec: str, *, split: str, cache_root: str | Path | N
     params = _spec_params(spec, EMBEDDED_DIGITS, split, defaults)
     op = params["op"]
     num_digits, n_train, n_val, seed = (_int(params, key, spec) for key in ("num_digits", "n_train", "n_val", "seed"))
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
-    out = root / "data" / f"digits-{op}-d{num_digits}-n{n_train}-v{n_val}-s{seed}"
-    target = out / f"{split}.parquet"
-    if not target.is_file():
-        write_digits_dataset(out, n_train, n_val, seed, op=op, num_digits=num_digits)
-    return target
+    return _generated(cache_root, f"digits-{op}-d{num_digits}-n{n_train}-v{n_val}-s{seed}", split,
+                      lambda out: write_digits_dataset(out, n_train, n_val, seed, op=op, num_digits=num_digits))
 
 
 def _ensure_embedded_shapes(spec: str, *, split: str, cache_root: str | Path | None) -> Path:
@@ -137,20 +131,18 @@ def _ensure_embedded_shapes(spec: str, *, split: str, cache_root: str | Path | N
                                                          "n_train": "1024", "n_val": "64", "seed": str(DEFAULT_SEED)})
     kinds = tuple(kind for kind in params["kinds"].split(",") if kind)
     size, n_train, n_val, seed = (_int(params, key, spec) for key in ("size", "n_train", "n_val", "seed"))
+    return _generated(cache_root, f"shapes-{'-'.join(kinds)}-px{size}-n{n_train}-v{n_val}-s{seed}", split,
+                      lambda out: write_shapes_dataset(out, n_train=n_train, n_val=n_val, seed=seed, size=size,
+                                                       kinds=kinds))
+
+
+def _generated(cache_root: str | Path | None, name: str, split: str, write) -> Path:
+    """``<cache root>/data/<name>/<split>.parquet``, ``write(folder)`` run the first time. Each file is written
+    atomically (megarl.data.rows), so runs or ranks asking at once never read half a file."""
     root = Path(cache_root) if cache_root is not None else default_cache_root()
-    out = root / "data" / f"shapes-{'-'.join(kinds)}-px{size}-n{n_train}-v{n_val}-s{seed}"
-    target = out / f"{split}.parquet"
+    target = root / "data" / name / f"{split}.parquet"
     if not target.is_file():
-        # written in a sibling and renamed: two ranks or runs asking at once never read a half-written file
-        staging = out.with_name(out.name + f".tmp-{os.getpid()}")
-        try:
-            write_shapes_dataset(staging, n_train=n_train, n_val=n_val, seed=seed, size=size, kinds=kinds)
-            os.rename(staging, out)
-        except OSError:  # another writer renamed its identical copy first
-            if not target.is_file():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        write(target.parent)
     return target
 
 
