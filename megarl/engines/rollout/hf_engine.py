@@ -177,8 +177,9 @@ class HFRolloutEngine(RolloutEngine):
         fed_real = attention_mask.bool()  # which of the tokens fed this step are real (not padding)
         prefill_embeddings, next_position = None, None
         if self.image_tokens is not None:  # M-RoPE: [3, rows, P] for the prompts, then one more per token
-            row_inputs = [None if multi_modal_inputs is None else multi_modal_inputs[index] for index, _ in rows]
-            prefill_positions, prefill_embeddings = self._image_prefill(input_ids, attention_mask, row_inputs)
+            prefill_positions, prefill_embeddings = self._image_prefill(
+                input_ids, attention_mask, multi_modal_inputs or [None] * len(prompt_token_ids),
+                [index for index, _ in rows])
             next_position = prefill_positions.amax(dim=(0, 2)) + 1
         for step in range(sampling.max_tokens):
             if next_position is None:
@@ -234,29 +235,35 @@ class HFRolloutEngine(RolloutEngine):
             for r in range(num_rows)
         ]
 
-    def _image_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       row_inputs: list[dict | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """M-RoPE positions ``[3, rows, P]`` of the left-padded prompts, and (when any row has images) the prompts'
+    def _image_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_inputs: list[dict | None],
+                       prompt_of_row: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """M-RoPE positions ``[3, rows, P]`` of the left-padded prompts, and (when any prompt has images) their
         embeddings with the image features in each row's image slots
         (:func:`~megarl.models.vision_language.image_slots`: an image token a multi-turn prompt holds from an
-        earlier turn's sampling stays text, as in the trainer)."""
+        earlier turn's sampling stays text, as in the trainer). The tower sees each prompt's images once, however
+        many rows (samples) the prompt has."""
         from megarl.models.vision_language import batch_mrope_position_ids, image_slots
 
-        with_images = [inputs for inputs in row_inputs if inputs is not None]
-        grids = torch.cat([inputs["image_grid_thw"] for inputs in with_images]) if with_images else None
-        counts = [0 if inputs is None else len(inputs["image_grid_thw"]) for inputs in row_inputs]
+        row_inputs = [prompt_inputs[prompt] for prompt in prompt_of_row]
+        grids = [None if inputs is None else inputs["image_grid_thw"] for inputs in row_inputs]
         merge, image_id = self.image_tokens.spatial_merge_size, self.image_tokens.image_token_id
-        positions = batch_mrope_position_ids(input_ids, attention_mask, grids, counts, image_token_id=image_id,
-                                             spatial_merge_size=merge)
+        row_grids = [grid for grid in grids if grid is not None]
+        positions = batch_mrope_position_ids(input_ids, attention_mask, torch.cat(row_grids) if row_grids else None,
+                                             [0 if grid is None else len(grid) for grid in grids],
+                                             image_token_id=image_id, spatial_merge_size=merge)
+        with_images = [prompt for prompt, inputs in enumerate(prompt_inputs) if inputs is not None]
         if not with_images:
             return positions, None
-        slots = torch.stack([image_slots(ids, None if inputs is None else inputs["image_grid_thw"],
-                                         image_token_id=image_id, spatial_merge_size=merge)
-                             for ids, inputs in zip(input_ids.cpu(), row_inputs)]).to(self.device)
-        pixels = torch.cat([inputs["pixel_values"] for inputs in with_images]).to(self.device)
+        slots = torch.stack([image_slots(ids, grid, image_token_id=image_id, spatial_merge_size=merge)
+                             for ids, grid in zip(input_ids.cpu(), grids)]).to(self.device)
         tower = self.model.model.visual
-        features = tower(pixels.to(tower.dtype), grid_thw=grids.to(self.device))
-        features = getattr(features, "pooler_output", features)  # merged: one row per image token, in row order
+        pixels = torch.cat([prompt_inputs[p]["pixel_values"] for p in with_images]).to(self.device, tower.dtype)
+        features = tower(pixels, grid_thw=torch.cat([prompt_inputs[p]["image_grid_thw"] for p in with_images])
+                         .to(self.device))
+        features = getattr(features, "pooler_output", features)  # merged: one row per image token, prompt by prompt
+        tokens = [int((prompt_inputs[p]["image_grid_thw"].prod(dim=-1) // merge ** 2).sum()) for p in with_images]
+        per_prompt = dict(zip(with_images, features.split(tokens)))
+        features = torch.cat([per_prompt[prompt] for prompt in prompt_of_row if prompt in per_prompt])  # row order
         if int(slots.sum()) != features.shape[0]:
             raise ValueError(f"{int(slots.sum())} image tokens in the prompts, the vision tower made "
                              f"{features.shape[0]} image embeddings from their image_grid_thw")
