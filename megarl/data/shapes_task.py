@@ -30,11 +30,18 @@ from megarl.data.rows import make_prompt_row, write_prompt_rows
 DATA_SOURCE = "synthetic/shapes"
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (235, 200, 20)}
 SHAPES = ("circle", "square", "triangle")
+
+
+def _one_of(words) -> str:
+    """``a, b or c``"""
+    words = list(words)
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
 QUESTIONS = {
     "count": "how many shapes are in the image?",
-    "colour": "what colour are the shapes in the image: " + ", ".join(sorted(COLOURS)[:-1]) + " or "
-              + sorted(COLOURS)[-1] + "?",
-    "shape": "which shape is drawn in the image: " + ", ".join(SHAPES[:-1]) + " or " + SHAPES[-1] + "?",
+    "colour": f"what colour are the shapes in the image: {_one_of(sorted(COLOURS))}?",
+    "shape": f"which shape is drawn in the image: {_one_of(SHAPES)}?",
 }
 INSTRUCTION = "answer with one word or number."
 MAX_SHAPES = 4
