@@ -6,6 +6,9 @@
 # Writes $OUT/verl_$SHAPE.log; the per-step timing_s/* and perf/throughput lines are verl's own console logger.
 # The box has no flash-attn: verl's FSDP model then takes SDPA attention and no remove-padding (verl's
 # unpadding helpers come from flash-attn), which costs verl some speed that flash-attn would give it back.
+# 7B on one GPU as verl's docs run it (FSDP parameter and optimizer offload, gradient checkpointing), on
+# bench/run_device.sh big's workload (`e2e_grpo --shape 7b --prepare-only` first: verl reads weights from disk):
+#   SHAPE=7b PROMPTS=16 PROMPT_LEN=256 RESPONSE_LEN=512 OFFLOAD=true UTIL=0.6 TRAIN_TOKENS=8192 bash bench/verl_baseline.sh
 set -uo pipefail
 SHAPE=${SHAPE:-0.5b}; WORK=/tmp/megarl_e2e/$SHAPE; OUT=${OUT:-/tmp}; VERL_WHEELS=${VERL_WHEELS:-.verl}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verl_site "$VERL_WHEELS"/*.whl || exit 1
@@ -53,18 +56,19 @@ python3 -c "import verl; print('verl', verl.__version__)" || exit 1
 timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false \
   data.train_files="$WORK/verl_prompts.parquet" data.val_files="$WORK/verl_prompts.parquet" \
-  data.train_batch_size="${PROMPTS:-64}" data.max_prompt_length=512 data.max_response_length="${RESPONSE_LEN:-1024}" \
+  data.train_batch_size="${PROMPTS:-64}" data.max_prompt_length="${PROMPT_LEN:-512}" data.max_response_length="${RESPONSE_LEN:-1024}" \
   data.filter_overlong_prompts=false data.truncation=error \
   actor_rollout_ref.model.path="$WORK/model" actor_rollout_ref.model.tokenizer_path="$WORK/verl_tok" \
   actor_rollout_ref.model.use_remove_padding=false \
+  actor_rollout_ref.model.enable_gradient_checkpointing="${GC:-true}" \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size="${PROMPTS:-64}" \
-  actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
+  actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu="${TRAIN_TOKENS:-16384}" \
   actor_rollout_ref.actor.use_kl_loss=false actor_rollout_ref.actor.entropy_coeff=0 \
-  actor_rollout_ref.actor.fsdp_config.param_offload=false actor_rollout_ref.actor.fsdp_config.optimizer_offload=false \
+  actor_rollout_ref.actor.fsdp_config.param_offload="${OFFLOAD:-false}" actor_rollout_ref.actor.fsdp_config.optimizer_offload="${OFFLOAD:-false}" \
   actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-  actor_rollout_ref.rollout.gpu_memory_utilization=0.5 actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true \
-  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=32768 ++actor_rollout_ref.rollout.ignore_eos=true \
+  actor_rollout_ref.rollout.gpu_memory_utilization="${UTIL:-0.5}" actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=true \
+  actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${LOGPROB_TOKENS:-32768}" ++actor_rollout_ref.rollout.ignore_eos=true \
   trainer.logger='["console"]' trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps="${STEPS:-4}" \
   trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false trainer.project_name=verl_baseline trainer.use_v1=false \
   trainer.experiment_name="$SHAPE" > "$OUT/verl_$SHAPE.log" 2>&1

@@ -118,6 +118,63 @@ def expand_image_pads(input_ids: Sequence[int], grids: Sequence[Sequence[int]], 
     return out
 
 
+def collapse_image_pads(input_ids: Sequence[int], grids: Sequence[Sequence[int]], tokens: VisionTokens,
+                        where: str) -> list[int]:
+    """:func:`expand_image_pads` undone: each image's run of ``<|image_pad|>`` tokens back to one, as a rollout
+    engine that expands prompts itself (vLLM) takes them. Image tokens past those the images account for are text
+    (a policy may sample the token; ``megarl.models.vision_language.image_slots``) and stay as they are."""
+    out: list[int] = []
+    image, left = 0, 0  # the image whose run is being read, and how many of its tokens are still to come
+    for token in input_ids:
+        if token == tokens.image_pad_id and image < len(grids):
+            if left == 0:
+                out.append(token)
+                left = tokens_of(grids[image], tokens)
+            left -= 1
+            if left == 0:
+                image += 1
+            continue
+        if left:
+            raise ValueError(f"{where}: image {image}'s run of {IMAGE_PAD} tokens ends {left} short of its "
+                             f"{tokens_of(grids[image], tokens)} (grid {list(grids[image])})")
+        out.append(token)
+    if image < len(grids):
+        raise ValueError(f"{where}: {len(grids)} image(s) but the tokens hold runs for {image}")
+    return out
+
+
+def images_of_pixels(pixel_values: Any, image_grid_thw: Any, tokens: VisionTokens, processor=None) -> list:
+    """The 8-bit RGB images :func:`pixel_inputs` made ``pixel_values`` of, as the processor resized them: its
+    normalisation and patch layout undone (exact: the rounding error of its float32 arithmetic is ~1e-5 of a grey
+    level). A rollout engine that runs the image processor itself (vLLM takes images, not pixels) gets the same
+    pixels back from these: their sides are already what the processor resizes to."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    processor = processor or _processor(tokens)
+    mean = np.asarray(processor.image_mean, dtype=np.float64)[:, None, None]
+    std = np.asarray(processor.image_std, dtype=np.float64)[:, None, None]
+    merge, patch, frames = tokens.merge_size, tokens.patch_size, tokens.temporal_patch_size
+    flat = torch.as_tensor(pixel_values).double().numpy()
+    grids = torch.as_tensor(image_grid_thw).tolist()
+    if flat.shape[0] != sum(t * h * w for t, h, w in grids):
+        raise ValueError(f"images_of_pixels: {flat.shape[0]} patch rows for grids {grids}, which hold "
+                         f"{sum(t * h * w for t, h, w in grids)}")
+    images, start = [], 0
+    for t, h, w in grids:
+        if t != 1:
+            raise ValueError(f"images_of_pixels: a grid of {t} frames is a video, not an image")
+        rows = flat[start:start + h * w]
+        start += h * w
+        # rows: (h/m, w/m, m, m) patches; each (channel, frame, patch_y, patch_x); the frames are copies of the image
+        grid = rows.reshape(h // merge, w // merge, merge, merge, 3, frames, patch, patch)[:, :, :, :, :, 0]
+        chw = grid.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, h * patch, w * patch)
+        levels = np.rint((chw * std + mean) / processor.rescale_factor)
+        images.append(Image.fromarray(np.clip(levels, 0, 255).astype(np.uint8).transpose(1, 2, 0)))
+    return images
+
+
 def pixel_inputs(images: Sequence[Any], tokens: VisionTokens, processor=None) -> dict:
     """``{"pixel_values", "image_grid_thw"}`` of PIL images, by transformers' image processor, whose grids must
     be :func:`image_grid`'s (the token counts the prompt was expanded with)."""

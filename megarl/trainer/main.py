@@ -128,8 +128,6 @@ def vision_language_policy(cfg: MegarlConfig, model_path):
         return None
     arr = cfg.actor_rollout_ref
     unsupported = {
-        # vLLM's Qwen2.5-VL needs torchvision, which no CPU build here has: the path is unbuilt, not untested
-        "actor_rollout_ref.rollout.name=vllm": arr.rollout.name == "vllm",
         "async_training.mode=fully_async": cfg.async_training.mode == "fully_async",
         "a critic (critic.enable / adv_estimator=gae)": bool(cfg.critic.enable),
         "actor_rollout_ref.actor.megatron.context_parallel_size > 1": arr.actor.megatron.context_parallel_size > 1,
@@ -137,8 +135,8 @@ def vision_language_policy(cfg: MegarlConfig, model_path):
     refused = [what for what, given in unsupported.items() if given]
     if refused:
         raise ConfigError(f"actor_rollout_ref.model.path={str(model_path)!r} is a vision-language model; megarl "
-                          f"trains one with the HF rollout engine (actor_rollout_ref.rollout.name=hf), synchronous "
-                          f"or one-step-off, without a critic or context parallelism so far: not with "
+                          f"trains one synchronous or one-step-off, without a critic or context parallelism so "
+                          f"far: not with "
                           f"{'; '.join(refused)}")
     return vision
 

@@ -25,12 +25,21 @@ Version-dependent pieces live in `vllm_compat.py`.
 
 Construct an out-of-process engine only under `if __name__ == "__main__":` in scripts: vLLM starts its
 engine core in a child process. LoRA: one adapter served from tensors handed over in memory
-(:meth:`VLLMRolloutEngine.load_adapter`). Leaves out: async engine, prompt log-probs, several adapters at once.
+(:meth:`VLLMRolloutEngine.load_adapter`).
+
+Images (a vision-language model, Qwen2.5-VL): vLLM runs the image processor itself, on images, and expands each
+image's one ``<|image_pad|>`` to its tokens. The batch holds the processor's pixels and prompts already expanded
+(what the trainer reads), so each prompt goes to vLLM collapsed, with its images recovered exactly from the
+pixels (``megarl.data.vision_inputs.images_of_pixels``); the prompt vLLM expands must be the batch's, token for
+token, or generation stops naming the prompt. vLLM's Qwen2.5-VL needs torchvision (transformers' image processor
+is built on it): on a machine without it the engine refuses the model by name at start-up.
+Leaves out: async engine, prompt log-probs, several adapters at once, videos.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -41,6 +50,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megarl.data.vision_inputs import VisionTokens, collapse_image_pads, images_of_pixels
 from megarl.engines.rollout import vllm_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
                                          validate_prompts)
@@ -197,6 +207,11 @@ class VLLMRolloutEngine(RolloutEngine):
             if not self._moe_layers:
                 raise ValueError(f"VLLMRolloutEngine: return_routed_experts needs an MoE model; {model_path} has none")
             llm_kwargs["enable_return_routed_experts"] = True
+        self.vision = VisionTokens.of_model(model_path)
+        if self.vision is not None and importlib.util.find_spec("torchvision") is None:
+            raise ModuleNotFoundError(f"VLLMRolloutEngine: {model_path} is a vision-language model and vLLM's image "
+                                      "processing for it needs torchvision, which is not installed; generate with "
+                                      "the HF engine (actor_rollout_ref.rollout.name=hf) or install torchvision")
         self._lora_rank = lora_rank
         self._adapter_loaded = False
         if lora_rank:
@@ -232,27 +247,47 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig,
                  multi_modal_inputs: Optional[list[Optional[dict]]] = None) -> list[RolloutOutput]:
-        from vllm.inputs import TokensPrompt
-
-        if multi_modal_inputs and any(multi_modal_inputs):
-            # vLLM's Qwen2.5-VL imports transformers' torchvision image processor, which no CPU build here has,
-            # and the GPU path has not run yet: refused rather than shipped untried
-            raise NotImplementedError("VLLMRolloutEngine: prompts with images are not supported yet; generate them "
-                                      "with the HF engine (actor_rollout_ref.rollout.name=hf)")
         self._check_ready("generate")
         validate_prompts(prompt_token_ids, self.vocab_size)
         check_prompt_seeds(prompt_token_ids, sampling)
         params = [self._sampling_params(sampling, index) for index in range(len(prompt_token_ids))]
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+        prompts = self._prompts(prompt_token_ids, multi_modal_inputs)
         results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         outputs: list[RolloutOutput] = []
         for index, request in enumerate(results):
             if len(request.outputs) != sampling.n:
                 raise RuntimeError(f"vLLM returned {len(request.outputs)} samples for prompt {index}, "
                                    f"expected {sampling.n}")
+            if "multi_modal_data" in prompts[index] and list(request.prompt_token_ids) != list(prompt_token_ids[index]):
+                raise RuntimeError(f"vLLM expanded prompt {index}'s images to {len(request.prompt_token_ids)} tokens, "
+                                   f"the batch's prompt has {len(prompt_token_ids[index])}: the two image processors "
+                                   f"disagree on its images' sizes (the trainer would read other tokens than vLLM saw)")
             for completion in sorted(request.outputs, key=lambda c: c.index):
                 outputs.append(self._convert(index, completion, sampling, len(request.prompt_token_ids)))
         return outputs
+
+    def _prompts(self, prompt_token_ids: list[list[int]], multi_modal_inputs: Optional[list[Optional[dict]]]) -> list:
+        """vLLM's prompts: token ids, and for a prompt with images those ids collapsed to one pad per image
+        beside the images themselves (vLLM expands them again)."""
+        from vllm.inputs import TokensPrompt
+
+        if multi_modal_inputs is not None and len(multi_modal_inputs) != len(prompt_token_ids):
+            raise ValueError(f"multi_modal_inputs has {len(multi_modal_inputs)} entries for "
+                             f"{len(prompt_token_ids)} prompts")
+        prompts = []
+        for index, ids in enumerate(prompt_token_ids):
+            images = multi_modal_inputs[index] if multi_modal_inputs else None
+            if not images:
+                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+                continue
+            if self.vision is None:
+                raise ValueError(f"VLLMRolloutEngine: prompt {index} comes with images and the model is text-only")
+            grids = images["image_grid_thw"]
+            where = f"VLLMRolloutEngine: prompt {index}"
+            prompts.append(TokensPrompt(
+                prompt_token_ids=collapse_image_pads(ids, grids.tolist(), self.vision, where),
+                multi_modal_data={"image": images_of_pixels(images["pixel_values"], grids, self.vision)}))
+        return prompts
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int):
         from vllm import SamplingParams

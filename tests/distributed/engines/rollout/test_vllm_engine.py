@@ -7,6 +7,8 @@ update test last-but-validation so the earlier tests see the original weights.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -151,6 +153,17 @@ def test_update_weights_in_buckets_matches_fresh_hf_model(vllm_engine, tiny_qwen
 def test_unknown_weight_reload_mode_is_refused_before_the_engine_starts(tiny_qwen2_dir):
     with pytest.raises(ValueError, match="weight_reload='fast' is not one of"):
         build_rollout_engine("vllm", str(tiny_qwen2_dir), weight_reload="fast")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
+def test_a_vision_language_model_without_torchvision_is_refused_by_name_before_the_engine_starts():
+    """vLLM's Qwen2.5-VL imports transformers' torchvision image processor; without it vLLM fails deep in its
+    model inspection. The engine names the package first (CPU builds here have none: the path runs on the GPU,
+    tests/gpu/test_vllm_vision_language_cuda.py)."""
+    from megarl.models.embedded import resolve_model_path
+
+    with pytest.raises(ModuleNotFoundError, match="vision-language model .* needs torchvision"):
+        build_rollout_engine("vllm", str(resolve_model_path("embedded:tiny-qwen2-vl")))
 
 
 def test_update_weights_rejects_bad_names_and_shapes(vllm_engine):
