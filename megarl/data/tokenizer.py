@@ -23,7 +23,9 @@ IM_START_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
 # Qwen2.5-VL's: an image is <|vision_start|> + its <|image_pad|> tokens + <|vision_end|> (megarl.data.vision_inputs)
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+# Qwen2.5-VL's image tokens; the video pad too (no prompt here holds a video, but vLLM's Qwen2.5-VL processor looks
+# both up in the vocabulary)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 PUNCTUATION = ".,:;!?'\"()[]{}+-*/=#<>_"
 ALPHABET = " \n" + "0123456789" + "abcdefghijklmnopqrstuvwxyz" + PUNCTUATION

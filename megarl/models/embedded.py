@@ -24,7 +24,7 @@ from megarl.data.vision_inputs import VisionTokens
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_SEED = 1234
 # Part of the cache path: bump it whenever what _write_model_dir writes changes, so old caches are not reused.
-EMBEDDED_FORMAT = "v3"
+EMBEDDED_FORMAT = "v4"
 # Seeding and drawing the init go through torch's global RNG: two threads building at once would interleave
 # draws and get different weights. Processes are safe (own RNG); the rename handles them.
 _BUILD_LOCK = threading.Lock()
@@ -157,10 +157,10 @@ def _write_model_dir(out: Path, spec: dict) -> None:
         **spec,
     )
     if vision:  # the decoder's fields are the text model's; the image tokens are the tokenizer's
-        start, end, pad = (tokenizer.token_to_id(token) for token in VISION_TOKENS)
+        start, end, pad, video_pad = (tokenizer.token_to_id(token) for token in VISION_TOKENS)
         text = dict(text_config=text, vision_config=dict(_TINY_VISION, out_hidden_size=text["hidden_size"]),
                     image_token_id=pad, vision_start_token_id=start, vision_end_token_id=end,
-                    video_token_id=text["vocab_size"] - 1,  # no video token in the tokenizer: an id it never makes
+                    video_token_id=video_pad,
                     tie_word_embeddings=False, dtype="float32")
     config = config_class(
         # vLLM picks the model class from this field; a bare config.save_pretrained does not fill it in.

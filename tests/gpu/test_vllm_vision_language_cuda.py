@@ -93,16 +93,22 @@ def test_vllm_samples_from_the_batchs_images(tmp_path):
 
 
 def test_vision_language_grpo_with_the_vllm_rollout(tmp_path):
+    """In a process of its own: vLLM's sleep-mode allocator takes one engine per process, and other GPU tests of
+    the session have had theirs."""
     pytest.importorskip("vllm")
-    from megarl.run_config import load_config
-    from megarl.trainer.main import run
+    import json
+    import subprocess
+    import sys
 
-    history = run(load_config(REPO / "configs" / "grpo_vl_tiny.yaml", [
-        f"trainer.default_local_dir={tmp_path}", "trainer.backend=inprocess", "trainer.device=cuda",
-        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
-        "actor_rollout_ref.rollout.enforce_eager=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.2",
-        "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "trainer.save_freq=-1", "trainer.progress_bar=false"]))
+    subprocess.run([sys.executable, "-m", "megarl.trainer.main", "--config", str(REPO / "configs" / "grpo_vl_tiny.yaml"),
+                    f"trainer.default_local_dir={tmp_path}", "trainer.backend=inprocess", "trainer.device=cuda",
+                    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
+                    "actor_rollout_ref.rollout.enforce_eager=true",
+                    "actor_rollout_ref.rollout.gpu_memory_utilization=0.2", "trainer.total_training_steps=3",
+                    "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                    "trainer.progress_bar=false"], check=True, cwd=REPO, timeout=300)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    history = [row for row in rows if "rollout/log_prob_diff_max" in row]  # the training steps' rows
     assert [h["step"] for h in history] == [1, 2, 3]
     for h in history:
         # bf16 rollout, fp32 actor: the engine test's bound; a lost picture is ~0.3 off at the maximum

@@ -32,7 +32,8 @@ image's one ``<|image_pad|>`` to its tokens. The batch holds the processor's pix
 (what the trainer reads), so each prompt goes to vLLM collapsed, with its images recovered exactly from the
 pixels (``megarl.data.vision_inputs.images_of_pixels``); the prompt vLLM expands must be the batch's, token for
 token, or generation stops naming the prompt. vLLM's Qwen2.5-VL needs torchvision (transformers' image processor
-is built on it): on a machine without it the engine refuses the model by name at start-up.
+is built on it) and blake3 (vLLM's image hashes): on a machine without them the engine refuses the model by name at
+start-up.
 Leaves out: async engine, prompt log-probs, several adapters at once, videos.
 """
 
@@ -59,6 +60,19 @@ from megarl.engines.rollout.vllm_worker_extension import encode_bucket
 logger = logging.getLogger(__name__)
 _LORA_ID = 1  # the one adapter an engine serves
 _EXTENSION = "megarl.engines.rollout.vllm_worker_extension.MegarlWeightUpdateExtension"
+
+
+def _check_image_processing_installed(model_path: str) -> None:
+    """vLLM fails deep inside its model inspection or its first request without these; name them up front."""
+    missing = [package for package in ("torchvision", "blake3") if importlib.util.find_spec(package) is None]
+    if "blake3" in missing and os.environ.get("VLLM_MM_HASHER_ALGORITHM", "blake3").lower() != "blake3":
+        missing.remove("blake3")
+    if missing:
+        raise ModuleNotFoundError(
+            f"VLLMRolloutEngine: {model_path} is a vision-language model and vLLM's image processing needs "
+            f"{' and '.join(missing)}, not installed here (transformers' Qwen2-VL image processor is built on "
+            "torchvision; vLLM hashes images with blake3 unless VLLM_MM_HASHER_ALGORITHM=sha256); install "
+            f"{'them' if len(missing) > 1 else 'it'} or generate with the HF engine (actor_rollout_ref.rollout.name=hf)")
 
 
 def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> dict[str, tuple[int, ...]]:
@@ -208,10 +222,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise ValueError(f"VLLMRolloutEngine: return_routed_experts needs an MoE model; {model_path} has none")
             llm_kwargs["enable_return_routed_experts"] = True
         self.vision = VisionTokens.of_model(model_path)
-        if self.vision is not None and importlib.util.find_spec("torchvision") is None:
-            raise ModuleNotFoundError(f"VLLMRolloutEngine: {model_path} is a vision-language model and vLLM's image "
-                                      "processing for it needs torchvision, which is not installed; generate with "
-                                      "the HF engine (actor_rollout_ref.rollout.name=hf) or install torchvision")
+        if self.vision is not None:
+            _check_image_processing_installed(model_path)
         self._lora_rank = lora_rank
         self._adapter_loaded = False
         if lora_rank:

@@ -27,14 +27,15 @@ def test_the_tiny_vision_language_model_reads_a_picture_as_the_dataset_prepares_
     assert (text["hidden_size"], text["head_dim"], text["vocab_size"]) == (128, 64, 128)
     assert text["rope_parameters"]["mrope_section"] == [8, 12, 12]  # 32 frequencies of the 64-wide head
     # the text model's ids are kept; the image tokens come after the alphabet
-    start, end, pad = (3 + len(ALPHABET) + i for i in range(3))
-    assert [config[f"{name}_token_id"] for name in ("vision_start", "vision_end", "image")] == [start, end, pad]
+    start, end, pad, video_pad = (3 + len(ALPHABET) + i for i in range(4))
+    assert [config[f"{name}_token_id"] for name in ("vision_start", "vision_end", "image", "video")] == [
+        start, end, pad, video_pad]
     assert build_char_tokenizer(vision=True).encode("ab").ids == build_char_tokenizer().encode("ab").ids
     vision = VisionTokens.of_model(model_dir)
     assert (vision.image_pad_id, vision.min_pixels, vision.max_pixels) == (pad, 56 * 56, 112 * 112)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    assert tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)) == [start, end, pad]
+    assert tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)) == [start, end, pad, video_pad]
     train, _ = write_shapes_dataset(tmp_path / "data", n_train=2, n_val=1, seed=3, kinds=("count",))
     batch = RLDataset(train, tokenizer, max_prompt_length=128, vision=vision).batch([0, 1])
     ids = torch.tensor(batch.prompt_ids)

@@ -162,7 +162,7 @@ def test_a_vision_language_model_without_torchvision_is_refused_by_name_before_t
     tests/gpu/test_vllm_vision_language_cuda.py)."""
     from megarl.models.embedded import resolve_model_path
 
-    with pytest.raises(ModuleNotFoundError, match="vision-language model .* needs torchvision"):
+    with pytest.raises(ModuleNotFoundError, match="vision-language model and vLLM.s image processing needs torchvision"):
         build_rollout_engine("vllm", str(resolve_model_path("embedded:tiny-qwen2-vl")))
 
 
