@@ -21,6 +21,9 @@ weight-sync GB/s, the rollout-vs-trainer log-prob gap, per-phase peak memory, an
 ``--shape tiny --device cpu`` is the dry run (HF rollout on CPU) that checks the script itself. ``--random-init``
 writes no weights (config.json and the tokenizer only): Megatron initialises the model, vLLM starts with dummy
 weights and the first weight sync fills them, so shapes up to what the GPU holds run on a small disk.
+A vision-language shape (``--shape vl-3b|vl-7b``, Qwen2.5-VL, ``--random-init`` only) puts one random-noise picture
+of ``--image-size`` pixels a side at the start of each prompt (verl's multimodal layout; 448: 256 of the
+``--prompt-len`` tokens), which megarl's dataset turns into pixels for the actor and vLLM.
 Left out: the reference model and KL loss (add ``--kl`` to include them), critic/PPO, multi-GPU layouts.
 """
 
@@ -32,26 +35,54 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
-from bench.shapes import SHAPES, model_config
+from bench.shapes import SHAPES, is_vision_language, model_config
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "step")
 
 
-def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int) -> None:
+def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int, special: Optional[dict[str, int]] = None) -> None:
     """A whitespace word tokenizer whose ids are the model's whole vocabulary: ``w<id>``, with <pad>=0 and the
-    model's eos id named <eos>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    model's eos id named <eos>; ``special`` names more ids (a vision-language model's image tokens), matched
+    before the whitespace split."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    special = special or {}
     vocab = {f"w{i}": i for i in range(vocab_size)}
     vocab["<pad>"] = 0
     vocab["<eos>"] = eos_id
     del vocab["w0"], vocab[f"w{eos_id}"]
+    for name, token_id in special.items():
+        del vocab[f"w{token_id}"]
+        vocab[name] = token_id
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in special])
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>").save_pretrained(out)
+
+
+def vision_tokens_of(hf_cfg: dict) -> dict[str, int]:
+    """A Qwen2.5-VL config's image tokens by name (what its processor and megarl's dataset look up)."""
+    return {"<|vision_start|>": hf_cfg["vision_start_token_id"], "<|vision_end|>": hf_cfg["vision_end_token_id"],
+            "<|image_pad|>": hf_cfg["image_token_id"], "<|video_pad|>": hf_cfg["video_token_id"]}
+
+
+def write_vision_language_model(out: Path, hf_cfg: dict) -> None:
+    """config.json in the published (flat) layout and the image processor's settings (Qwen2-VL's published ones);
+    no weights: a vision-language shape runs with --random-init only."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+    vision = hf_cfg["vision_config"]
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_normalize": True,
+        "do_rescale": True, "do_resize": True, "rescale_factor": 1 / 255, "resample": 3,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": vision["patch_size"], "merge_size": vision["spatial_merge_size"],
+        "temporal_patch_size": vision["temporal_patch_size"], "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}, indent=1))
 
 
 def write_model(out: Path, hf_cfg: dict, device: str, *, weights: bool = True) -> None:
@@ -68,15 +99,34 @@ def write_model(out: Path, hf_cfg: dict, device: str, *, weights: bool = True) -
     model.save_pretrained(out, safe_serialization=True)
 
 
-def write_prompts(path: Path, *, rows: int, prompt_len: int, vocab_size: int) -> None:
+def write_prompts(path: Path, *, rows: int, prompt_len: int, vocab_size: int, image_size: int = 0,
+                  image_tokens: int = 0) -> None:
+    """``rows`` prompts of ``prompt_len`` tokens of random words; with ``image_size``, each starts with one
+    random-noise picture of that many pixels a side (``image_tokens`` of the prompt's tokens, its vision start and
+    end tokens two more) in verl's multimodal layout."""
+    import io
     import random
 
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from PIL import Image
 
     rng = random.Random(0)
-    table = [{"prompt": " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(prompt_len)),
-              "reward_model": {"ground_truth": "7"}, "data_source": "openai/gsm8k"} for _ in range(rows)]
+    pixels = np.random.RandomState(0)
+    words = prompt_len - (image_tokens + 2 if image_size else 0)
+    if words < 1:
+        raise ValueError(f"--prompt-len {prompt_len} leaves no room for text beside a {image_tokens}-token image")
+    table = []
+    for _ in range(rows):
+        row = {"prompt": " ".join(f"w{rng.randrange(3, vocab_size)}" for _ in range(words)),
+               "reward_model": {"ground_truth": "7"}, "data_source": "openai/gsm8k"}
+        if image_size:
+            png = io.BytesIO()
+            Image.fromarray(pixels.randint(0, 256, (image_size, image_size, 3), dtype=np.uint8)).save(png, "PNG")
+            row["prompt"] = "<image> " + row["prompt"]
+            row["images"] = [{"bytes": png.getvalue(), "path": None}]
+        table.append(row)
     pq.write_table(pa.Table.from_pylist(table), path)
 
 
@@ -189,6 +239,9 @@ def main(argv=None) -> dict:
                         help="no weights on disk: config.json only, megatron's random init, vLLM dummy weights")
     parser.add_argument("--work", default="/tmp/megarl_e2e")
     parser.add_argument("--prepare-only", action="store_true", help="write model, tokenizer and prompts, then stop")
+    parser.add_argument("--image-size", type=int, default=448,
+                        help="a vision-language shape's picture per prompt: pixels a side, a multiple of 28 "
+                             "(448: 256 of the prompt's tokens)")
     parser.add_argument("--out")
     parser.add_argument("override", nargs="*", help="extra a.b.c=value trainer overrides")
     args = parser.parse_args(argv)
@@ -199,11 +252,22 @@ def main(argv=None) -> dict:
     hf_cfg = model_config(args.shape, layers=args.layers)
     name = args.shape + (f"_{args.layers}l" if args.layers else "")
     work = Path(args.work) / (name + ("_random" if args.random_init else ""))
+    vision = is_vision_language(args.shape)
+    if vision and (not args.random_init or args.gen_alone or args.gen_only or args.image_size % 28):
+        parser.error(f"--shape {args.shape} (vision-language) runs with --random-init, without --gen-alone/--gen-only "
+                     f"(text prompts only), and an --image-size that is a multiple of 28")
     if not (work / "model" / "config.json").is_file():
-        write_model(work / "model", hf_cfg, args.device, weights=not args.random_init)
-        write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"])
+        special = vision_tokens_of(hf_cfg) if vision else None
+        if vision:  # vLLM builds the image processor, and with it the tokenizer, from the model's folder
+            write_vision_language_model(work / "model", hf_cfg)
+            write_word_tokenizer(work / "model", hf_cfg["vocab_size"], hf_cfg["eos_token_id"], special)
+        else:
+            write_model(work / "model", hf_cfg, args.device, weights=not args.random_init)
+        write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"], special)
+    image_tokens = (args.image_size // 28) ** 2 if vision else 0  # 14-pixel patches, 2 x 2 merged per token
     write_prompts(work / "prompts.parquet", rows=args.prompts * args.steps, prompt_len=args.prompt_len,
-                  vocab_size=hf_cfg["vocab_size"])
+                  vocab_size=hf_cfg["vocab_size"], image_size=args.image_size if vision else 0,
+                  image_tokens=image_tokens)
     if args.prepare_only:
         return {}
     workload = {"shape": name, "prompts": args.prompts, "n": args.n, "prompt_len": args.prompt_len,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora|fp8curve
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora|vl|fp8curve
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
 # (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host;
@@ -10,6 +10,8 @@
 # (moe: vLLM's routing GPU test, then MoE GRPO (Qwen3-30B-A3B sizes, $LAYERS layers) per router replay mode
 #  in $REPLAY; needs the --keep-moe vLLM stage. gen: plain vLLM's generation of big's prompts, bf16 and FP8, at
 #  $MODELS: `MODELS=7b,30b-a3b bash bench/run_device.sh gen`)
+# (vl: the vision-language GPU tests, then GRPO of a Qwen2.5-VL shape ($MODELS, default vl-3b; vl-7b) with a
+#  $IMAGE_SIZE-pixel picture per prompt, random init, through vLLM; needs torchvision + blake3 carried)
 # (fp8curve: grpo_tiny through vLLM on the GPU, $STEPS steps with a bf16 rollout, then with an FP8 one and its
 #  token-level TIS, same seed: the rewards and the rollout-vs-trainer mismatch of each in fp8curve_<quant>.jsonl)
 # (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
@@ -144,6 +146,18 @@ elif [ "$MODE" = lora ]; then  # LoRA GRPO at $MODELS (default: 14b on an 80 GB 
       $O.megatron.param_offload=true $O.megatron.recompute_granularity=full \
       $O.megatron.use_distributed_optimizer=true ${EXTRA:-}
   done
+elif [ "$MODE" = vl ]; then  # vision-language GRPO at $MODELS (default vl-3b), random init, one picture per prompt
+  # Megatron's grads and Adam state leave the device while vLLM generates (verl's offload keys); the tower is frozen.
+  O=actor_rollout_ref.actor
+  [ "${SKIP_TESTS:-0}" = 1 ] || step vl_cuda_tests timeout 400 python3 -m pytest tests/gpu/test_vllm_vision_language_cuda.py \
+    tests/gpu/test_vision_language_cuda.py -q -rs -s -p no:cacheprovider
+  for model in $(echo "${MODELS:-vl-3b}" | tr , ' '); do
+    step "e2e_$model" timeout "${E2E_TIMEOUT:-900}" python3 -m bench.e2e_grpo --shape "$model" --random-init \
+      --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-512}" --response-len "${RESPONSE_LEN:-512}" \
+      --image-size "${IMAGE_SIZE:-448}" --steps "${STEPS:-3}" --token-budget "${BUDGET:-8192}" \
+      --gpu-memory-utilization "${UTIL:-0.4}" --out "$OUT/e2e_$model.json" \
+      $O.megatron.grad_offload=true $O.megatron.optimizer_offload=true $O.megatron.use_distributed_optimizer=true ${EXTRA:-}
+  done
 elif [ "$MODE" = fp8curve ]; then  # a short learning curve: grpo_tiny through vLLM, bf16 rollout, then FP8 (+ token TIS)
   # Same seed, data and bf16 training for both; only the rollout's weights differ. metrics.jsonl of each comes back.
   for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do
@@ -176,5 +190,5 @@ else
   step grpo python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.default_local_dir=$GRPO_DIR
 fi
-[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || [ "$MODE" = moe ] || [ "$MODE" = gen ] || [ "$MODE" = fp8curve ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
+[ "$MODE" = attn ] || [ "$MODE" = pack ] || [ "$MODE" = e2e ] || [ "$MODE" = big ] || [ "$MODE" = moe ] || [ "$MODE" = gen ] || [ "$MODE" = fp8curve ] || [ "$MODE" = vl ] || cp "$GRPO_DIR/metrics.jsonl" "$OUT/grpo_metrics_$MODE.jsonl" 2>/dev/null || echo "no GRPO metrics.jsonl" | tee -a "$LOG"
 echo "=== summary ($MODE)"; printf "%s" "$SUMMARY" | tee -a "$LOG"

@@ -72,13 +72,47 @@ _MOE_SHAPES = {
                      head_dim=32, vocab_size=1024, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2),
 }
 
-SHAPES = tuple(_SHAPES) + tuple(_MOE_SHAPES)
+# Qwen2.5-VL: the published (flat) config.json layout, the text model's fields at the top; "vl-7b" is
+# Qwen2.5-VL-7B-Instruct's, "vl-3b" the 3B's (text 2048 x 36 layers, tied embeddings; the same vision tower with
+# a 2048-wide merger output), "vl-tiny" a CPU dry run's. FLOP counts below are the language model's: the
+# tower's (675M parameters at 3B/7B, frozen by default) run once per image in the forward only.
+_VL_TOWER = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
+                 spatial_merge_size=2, spatial_patch_size=14, temporal_patch_size=2, window_size=112,
+                 fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", in_channels=3, in_chans=3,
+                 tokens_per_second=2, model_type="qwen2_5_vl")
+_VL_COMMON = dict(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"], hidden_act="silu",
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=128000, use_sliding_window=False,
+                  rope_scaling={"type": "default", "rope_type": "default", "mrope_section": [16, 24, 24]},
+                  torch_dtype="bfloat16", initializer_range=0.02, bos_token_id=151643, eos_token_id=151645,
+                  vision_start_token_id=151652, vision_end_token_id=151653, vision_token_id=151654,
+                  image_token_id=151655, video_token_id=151656)
+_VL_SHAPES = {
+    "vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                  vision_config=dict(_VL_TOWER, out_hidden_size=3584)),
+    "vl-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                  vision_config=dict(_VL_TOWER, out_hidden_size=2048)),
+    "vl-tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=False,
+                    rope_scaling={"type": "default", "rope_type": "default", "mrope_section": [8, 12, 12]},
+                    vision_config=dict(_VL_TOWER, depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                                       fullatt_block_indexes=[1], out_hidden_size=128)),
+}
+
+SHAPES = tuple(_SHAPES) + tuple(_MOE_SHAPES) + tuple(_VL_SHAPES)
+
+
+def is_vision_language(name: str) -> bool:
+    return name in _VL_SHAPES
 
 
 def model_config(name: str, *, layers: int | None = None, **overrides: Any) -> dict[str, Any]:
     """Any benchmark shape, dense or MoE; ``layers`` keeps the per-layer sizes and cuts (or grows) the depth."""
     if name in _MOE_SHAPES:
         cfg = {**_QWEN3_MOE_COMMON, **_MOE_SHAPES[name], **overrides}
+    elif name in _VL_SHAPES:
+        cfg = {**_VL_COMMON, **_VL_SHAPES[name], **overrides}
     elif name in _SHAPES:
         cfg = qwen2_config(name, **overrides)
     else:
@@ -115,9 +149,10 @@ def matmul_params(cfg: dict[str, Any]) -> int:
 
 
 def total_params(cfg: dict[str, Any]) -> int:
-    """All parameters as the model stores them (tied embedding counted once; biases and norms included)."""
+    """All parameters as the model stores them (tied embedding counted once; biases and norms included); a
+    vision-language model's language model only."""
     hidden, ffn, layers, heads, kv_heads, head_dim, vocab = _dims(cfg)
-    if cfg["model_type"] == "qwen2":
+    if cfg["model_type"] in ("qwen2", "qwen2_5_vl"):
         extra = heads * head_dim + 2 * kv_heads * head_dim  # Qwen2's q/k/v biases
     else:
         extra = 2 * head_dim  # Qwen3's q/k norms, no biases
