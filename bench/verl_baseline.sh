@@ -9,6 +9,8 @@
 # 7B on one GPU as verl's docs run it (FSDP parameter and optimizer offload, gradient checkpointing), on
 # bench/run_device.sh big's workload (`e2e_grpo --shape 7b --prepare-only` first: verl reads weights from disk):
 #   SHAPE=7b PROMPTS=16 PROMPT_LEN=256 RESPONSE_LEN=512 OFFLOAD=true UTIL=0.6 TRAIN_TOKENS=8192 bash bench/verl_baseline.sh
+# LORA_RANK=32 (LORA_ALPHA, default 64): verl's LoRA GRPO on all linear layers, against bench/run_device.sh lora's
+# MERGE=true run (verl's FSDP LoRA syncs the merged weights into vLLM too).
 set -uo pipefail
 SHAPE=${SHAPE:-0.5b}; WORK=/tmp/megarl_e2e/$SHAPE; OUT=${OUT:-/tmp}; VERL_WHEELS=${VERL_WHEELS:-.verl}
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verl_site "$VERL_WHEELS"/*.whl || exit 1
@@ -61,6 +63,8 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.model.path="$WORK/model" actor_rollout_ref.model.tokenizer_path="$WORK/verl_tok" \
   actor_rollout_ref.model.use_remove_padding=false \
   actor_rollout_ref.model.enable_gradient_checkpointing="${GC:-true}" \
+  actor_rollout_ref.model.lora_rank="${LORA_RANK:-0}" actor_rollout_ref.model.lora_alpha="${LORA_ALPHA:-64}" \
+  actor_rollout_ref.model.target_modules=all-linear \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size="${PROMPTS:-64}" \
   actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu="${TRAIN_TOKENS:-16384}" \
