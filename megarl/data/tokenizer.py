@@ -22,9 +22,8 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START_TOKEN, EOS_TOKEN)
-# Qwen2.5-VL's: an image is <|vision_start|> + its <|image_pad|> tokens + <|vision_end|> (megarl.data.vision_inputs)
-# Qwen2.5-VL's image tokens; the video pad too (no prompt here holds a video, but vLLM's Qwen2.5-VL processor looks
-# both up in the vocabulary)
+# Qwen2.5-VL's: an image is <|vision_start|> + its <|image_pad|> tokens + <|vision_end|> (megarl.data.vision_inputs);
+# the video pad too (no prompt here holds a video, but vLLM's Qwen2.5-VL processor looks both pads up)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 PUNCTUATION = ".,:;!?'\"()[]{}+-*/=#<>_"
