@@ -9,7 +9,7 @@
 * trainer: grpo_vl_tiny with the vLLM rollout in process, three steps, the rollout's log-probs within bf16 noise of
   the Megatron actor's.
 
-Skipped without CUDA or vLLM; vLLM's Qwen2.5-VL needs torchvision (carried: docs/device_runs.md).
+Skipped without CUDA or vLLM; vLLM's Qwen2.5-VL needs torchvision and blake3 (carried: docs/device_runs.md).
 """
 
 from __future__ import annotations
