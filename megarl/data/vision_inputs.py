@@ -118,29 +118,42 @@ def expand_image_pads(input_ids: Sequence[int], grids: Sequence[Sequence[int]], 
     return out
 
 
+def image_runs(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *, image_token_id: int, merge_size: int,
+               where: str = "a sequence") -> list[tuple[int, int]]:
+    """``(start, length)`` of each image's tokens in one unpadded sequence, in the order of ``grids`` (patch grids,
+    frames x rows x columns): image i is the next ``tokens_of(grids[i])`` consecutive image tokens after image i-1's
+    (images may follow each other directly). The one statement of the rule every engine and the trainer follow:
+    image tokens after the last image's run are text (a policy may sample the token; vLLM embeds it as text)."""
+    ids = list(input_ids)
+    runs: list[tuple[int, int]] = []
+    index = 0
+    for image, grid in enumerate(grids):
+        needed = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge_size ** 2
+        while index < len(ids) and ids[index] != image_token_id:
+            index += 1
+        if index == len(ids):
+            raise ValueError(f"{where}: {len(grids)} images in image_grid_thw, {image} runs of image tokens")
+        start = index
+        while index < len(ids) and index - start < needed and ids[index] == image_token_id:
+            index += 1
+        if index - start != needed:
+            raise ValueError(f"{where}: token {start}: image {image + 1} has {index - start} placeholder tokens, its "
+                             f"grid {tuple(int(v) for v in grid)} merged by {merge_size} needs {needed}")
+        runs.append((start, needed))
+    return runs
+
+
 def collapse_image_pads(input_ids: Sequence[int], grids: Sequence[Sequence[int]], tokens: VisionTokens,
                         where: str) -> list[int]:
-    """:func:`expand_image_pads` undone: each image's run of ``<|image_pad|>`` tokens back to one, as a rollout
-    engine that expands prompts itself (vLLM) takes them. Image tokens past those the images account for are text
-    (a policy may sample the token; ``megarl.models.vision_language.image_slots``) and stay as they are."""
-    out: list[int] = []
-    image, left = 0, 0  # the image whose run is being read, and how many of its tokens are still to come
-    for token in input_ids:
-        if token == tokens.image_pad_id and image < len(grids):
-            if left == 0:
-                out.append(token)
-                left = tokens_of(grids[image], tokens)
-            left -= 1
-            if left == 0:
-                image += 1
-            continue
-        if left:
-            raise ValueError(f"{where}: image {image}'s run of {IMAGE_PAD} tokens ends {left} short of its "
-                             f"{tokens_of(grids[image], tokens)} (grid {list(grids[image])})")
-        out.append(token)
-    if image < len(grids):
-        raise ValueError(f"{where}: {len(grids)} image(s) but the tokens hold runs for {image}")
-    return out
+    """:func:`expand_image_pads` undone: each image's run of ``<|image_pad|>`` tokens (:func:`image_runs`) back to
+    one, as a rollout engine that expands prompts itself (vLLM) takes them; a sampled image token stays."""
+    ids = list(input_ids)
+    out, end = [], 0
+    for start, length in image_runs(ids, grids, image_token_id=tokens.image_pad_id, merge_size=tokens.merge_size,
+                                    where=where):
+        out += ids[end:start + 1]
+        end = start + length
+    return out + ids[end:]
 
 
 def images_of_pixels(pixel_values: Any, image_grid_thw: Any, tokens: VisionTokens, processor=None) -> list:

@@ -30,6 +30,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megarl.data.vision_inputs import image_runs
+
 VISION_PREFIX = "vision_model."  # the tower's parameters in the megatron model (its attribute below)
 
 
@@ -63,50 +65,36 @@ def mrope_position_ids(input_ids: Sequence[int] | torch.Tensor, image_grid_thw: 
                        image_token_id: int, spatial_merge_size: int) -> torch.Tensor:
     """``[3, len(input_ids)]`` M-RoPE positions of one unpadded sequence. ``image_grid_thw`` ``[images, 3]``: the
     patch grid (frames, rows, columns) of each image in the order the sequence shows them; each image is a run of
-    ``frames * rows * columns / spatial_merge_size**2`` consecutive ``image_token_id`` tokens. Image tokens after
-    those the images account for are text (a policy may sample the image token; vLLM and the rollout engines embed
-    a generated one as text), see :func:`image_slots`."""
+    ``frames * rows * columns / spatial_merge_size**2`` consecutive ``image_token_id`` tokens
+    (:func:`~megarl.data.vision_inputs.image_runs`: later image tokens are text)."""
     ids = torch.as_tensor(input_ids).tolist()
     grids = [] if image_grid_thw is None else [tuple(int(v) for v in g) for g in torch.as_tensor(image_grid_thw)]
+    runs = image_runs(ids, grids, image_token_id=image_token_id, merge_size=spatial_merge_size, where="sequence")
     columns: list[torch.Tensor] = []
-    next_position, index, image = 0, 0, 0
-    while index < len(ids):
-        start = index
-        if ids[index] != image_token_id or image == len(grids):
-            while index < len(ids) and (ids[index] != image_token_id or image == len(grids)):
-                index += 1
-            text = torch.arange(next_position, next_position + index - start)
-            columns.append(text.expand(3, -1))
-            next_position += index - start
-            continue
-        frames, rows, cols = grids[image][0], grids[image][1] // spatial_merge_size, grids[image][2] // spatial_merge_size
-        needed = frames * rows * cols  # images may follow each other directly: each takes its own count
-        while index < len(ids) and index - start < needed and ids[index] == image_token_id:
-            index += 1
-        if index - start != needed:
-            raise ValueError(f"token {start}: image {image + 1} has {index - start} placeholder tokens, its grid "
-                             f"{grids[image]} merged by {spatial_merge_size} needs {needed}")
-        t, h, w = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
-        columns.append(torch.stack([t, h, w]).reshape(3, -1) + next_position)
-        next_position += max(frames, rows, cols)
-        image += 1
-    if image != len(grids):
-        raise ValueError(f"{len(grids)} images in image_grid_thw, {image} runs of image tokens in the sequence")
-    if not columns:
-        return torch.zeros(3, 0, dtype=torch.long)
+    next_position, index = 0, 0
+    for (start, length), (frames, rows, cols) in zip(runs + [(len(ids), 0)], grids + [(0, 0, 0)]):
+        columns.append(torch.arange(next_position, next_position + start - index).expand(3, -1))  # text before it
+        next_position += start - index
+        if length:
+            rows, cols = rows // spatial_merge_size, cols // spatial_merge_size
+            t, h, w = torch.meshgrid(torch.arange(frames), torch.arange(rows), torch.arange(cols), indexing="ij")
+            columns.append(torch.stack([t, h, w]).reshape(3, -1) + next_position)
+            next_position += max(frames, rows, cols)
+        index = start + length
     return torch.cat(columns, dim=1).long()
 
 
 def image_slots(input_ids: torch.Tensor, image_grid_thw: Optional[torch.Tensor], *, image_token_id: int,
                 spatial_merge_size: int) -> torch.Tensor:
-    """Which tokens of one unpadded sequence take its images' embeddings: the first of its ``image_token_id``
-    tokens, as many as the images have (any later one, sampled by the policy, is text)."""
-    is_image = torch.as_tensor(input_ids) == image_token_id
-    if image_grid_thw is None:
-        return torch.zeros_like(is_image)
-    grids = torch.as_tensor(image_grid_thw)
-    count = int((grids.prod(dim=-1) // spatial_merge_size ** 2).sum())
-    return is_image & (is_image.cumsum(dim=-1) <= count)
+    """Which tokens of one unpadded sequence take its images' embeddings: each image's run of ``image_token_id``
+    tokens (:func:`~megarl.data.vision_inputs.image_runs`; any later one, sampled by the policy, is text)."""
+    ids = torch.as_tensor(input_ids)
+    slots = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    grids = [] if image_grid_thw is None else torch.as_tensor(image_grid_thw).tolist()
+    for start, length in image_runs(ids.tolist(), grids, image_token_id=image_token_id,
+                                    merge_size=spatial_merge_size, where="sequence"):
+        slots[start:start + length] = True
+    return slots
 
 
 def batch_mrope_position_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor,
