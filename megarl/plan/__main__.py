@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         layout.add_argument(f"--{flag}", type=field_type)
     layout.add_argument("--recompute", choices=("none", "selective", "full"))
+    layout.add_argument("--recompute-method", choices=("uniform", "block"),
+                        help="full recompute's grouping (megatron's recompute_method)")
+    layout.add_argument("--recompute-num-layers", type=int, help="layers per uniform group / recomputed per block")
     layout.add_argument("--placement", choices=("colocated", "separate"))
     layout.add_argument("--no-sequence-parallel", action="store_true")
     layout.add_argument("--no-distributed-optimizer", action="store_true")
@@ -64,7 +67,8 @@ _PARALLEL_FLAGS = {
 
 
 def _apply_flags(args, layout: LayoutSpec, training: TrainingSpec) -> tuple[LayoutSpec, TrainingSpec]:
-    layout_fields = {"world_size", "rollout_tp", "rollout_gpus", "recompute", "placement"}
+    layout_fields = {"world_size", "rollout_tp", "rollout_gpus", "recompute", "recompute_method",
+                     "recompute_num_layers", "placement"}
     training_fields = {
         "global_batch_size", "micro_batch_size", "max_seq_len", "rollout_max_num_seqs",
         "rollout_gpu_memory_utilization", "rollout_weight_bytes",

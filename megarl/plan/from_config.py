@@ -76,6 +76,10 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         optimizer_cpu_offload=bool(optim_overrides.get("optimizer_cpu_offload", False)),
         optimizer_offload_fraction=float(optim_overrides.get("optimizer_offload_fraction", 1.0)),
         recompute=m.override_transformer_config.get("recompute_granularity") or m.recompute_granularity or "none",
+        # the engine's defaults when full recompute is asked without a grouping (controller/engine_specs.py)
+        recompute_method=m.override_transformer_config.get("recompute_method") or m.recompute_method or "uniform",
+        recompute_num_layers=int(m.override_transformer_config.get("recompute_num_layers")
+                                 or m.recompute_num_layers or 1),
         rollout_tp=arr.rollout.tensor_model_parallel_size,
         placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
         rollout_gpus=cfg.trainer.rollout_gpus,

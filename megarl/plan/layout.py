@@ -32,6 +32,11 @@ class LayoutSpec:
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
     recompute: Recompute = "none"
+    # full recompute's grouping (megatron's recompute_method / recompute_num_layers, megarl's defaults): "uniform"
+    # recomputes groups of that many layers, keeping each group's input; "block" recomputes only the first that
+    # many layers of each (virtual) stage chunk and keeps every activation of the others
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
     train_mtp: bool = False  # keep the DeepSeek MTP module on the last stage and train it
     rollout_tp: int = 1  # GPUs of one rollout engine (tensor/expert parallel inside it)
     placement: Placement = "colocated"
@@ -220,6 +225,11 @@ def check_layout(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec) ->
         errors.append(f"placement must be 'colocated' or 'separate', got {layout.placement!r}")
     if layout.recompute not in ("none", "selective", "full"):
         errors.append(f"recompute must be 'none', 'selective' or 'full', got {layout.recompute!r}")
+    if layout.recompute_method not in ("uniform", "block"):
+        errors.append(f"recompute_method must be 'uniform' or 'block', got {layout.recompute_method!r}")
+    if layout.recompute_num_layers < (0 if layout.recompute_method == "block" else 1):
+        errors.append(f"recompute_num_layers={layout.recompute_num_layers} is too small for "
+                      f"recompute_method={layout.recompute_method!r}")
     if layout.train_mtp and not dims.mtp_layers:
         errors.append(f"train_mtp=True but {dims.model_type} has no MTP layers (num_nextn_predict_layers)")
     return errors

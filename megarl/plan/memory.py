@@ -36,7 +36,9 @@ width D per rank (q = width of the local query heads, kv of the local kv heads):
                  tokens through top-k experts, shared experts)
   selective recompute (Megatron core_attn + moe_act + mla_up_proj): drops the routed act output (f_e), MLA's
   decompressed Q K V and the materialized scores; with flash attention core_attn adds nothing for GQA. Full
-  recompute keeps a*T*h/nd per layer plus one layer's full activations as the recompute working set.
+  recompute ("uniform", groups of n layers; megarl's default n = 1) keeps a*T*h/nd per group plus one group's full
+  activations as the recompute working set; "block" (the first n layers of each virtual chunk recomputed) keeps
+  a*T*h/nd for those and every activation of the other layers, plus one recomputed layer's working set.
   In flight on stage r (Megatron 1F1B): min(pp - r, M) micro-batches; interleaved with vpp=v:
   min(2(pp - r - 1) + (v - 1)pp + 1, M*v) chunks of 1/v of the stage.
 Logits (last stage, one micro-batch of b rows, N = b * response tokens, V' = padded vocab / tp): the model's
@@ -347,10 +349,27 @@ def _stage_activation_bytes(
     per_layer = [layer_activation_bytes(dims, layout, tokens, k, layout.recompute, **shape) for k in layer_kinds]
     units = _in_flight_units(layout, stage, num_micro)
     if layout.recompute == "full":
-        stored = units * len(layer_kinds) * a * tokens * dims.hidden_size / nd
-        full_layers = [layer_activation_bytes(dims, layout, tokens, k, "none", **shape) for k in layer_kinds]
-        return stored + (max(full_layers) if full_layers else 0)
+        return _full_recompute_bytes(layout, [layer_activation_bytes(dims, layout, tokens, k, "none", **shape)
+                                              for k in layer_kinds], a * tokens * dims.hidden_size / nd, units)
     return units * sum(per_layer)
+
+
+def _full_recompute_bytes(layout: LayoutSpec, full_layers: list[float], layer_input: float, units: float) -> float:
+    """A stage's activations under full recompute, ``full_layers`` its layers' activations kept whole: "uniform"
+    keeps each group's input and rebuilds one group at a time in the backward (its working set); "block" keeps
+    the input of the first ``recompute_num_layers`` layers of each virtual chunk and everything of the others."""
+    if not full_layers:
+        return 0.0
+    n = layout.recompute_num_layers
+    if layout.recompute_method == "block":
+        chunks = layout.parallel.virtual_pipeline_parallel or 1
+        per_chunk = len(full_layers) // chunks
+        recomputed = {i for i in range(len(full_layers)) if per_chunk and i % per_chunk < n}
+        kept = sum(b for i, b in enumerate(full_layers) if i not in recomputed)
+        working = max((full_layers[i] for i in recomputed), default=0.0)
+        return units * (len(recomputed) * layer_input + kept) + working
+    groups = [full_layers[i:i + n] for i in range(0, len(full_layers), n)]
+    return units * len(groups) * layer_input + max(sum(group) for group in groups)
 
 
 def plan_layout(

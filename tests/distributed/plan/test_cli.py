@@ -18,6 +18,22 @@ def test_hf_config_flags_fit_and_exit_zero(capsys):
     assert capsys.readouterr().out.strip().endswith("FITS")
 
 
+def test_recompute_grouping_flags_reach_the_plan(capsys):
+    flags = ["--hf-config", str(REFERENCE / "qwen2_5_7b_instruct"), "--world-size", "1", "--global-batch-size",
+             "64", "--max-seq-len", "4096", "--recompute", "full", "--gpu-memory-gib", "1000"]
+
+    def actor_train_gib(*extra):
+        import re
+
+        assert main([*flags, *extra]) == 0
+        return float(re.search(r"\[actor train\].*?actor activations +([\d.]+) GiB", capsys.readouterr().out,
+                               re.DOTALL).group(1))
+
+    full = actor_train_gib()
+    assert actor_train_gib("--recompute-method", "block", "--recompute-num-layers", "28") == pytest.approx(full)
+    assert actor_train_gib("--recompute-method", "block", "--recompute-num-layers", "14") > full + 1
+
+
 def test_over_budget_exits_one_with_the_amount():
     proc = subprocess.run(
         [sys.executable, "-m", "megarl.plan", "--hf-config", str(REFERENCE / "llama3_1_70b" / "config.json"),

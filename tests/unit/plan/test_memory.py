@@ -161,3 +161,30 @@ def test_rollout_weights_larger_than_gpu_are_rejected():
     report = plan_layout(load("llama3_1_70b"), layout,
                          TrainingSpec(global_batch_size=64), 80)
     assert any("rollout engine" in e and "raise rollout_tp" in e for e in report.errors)
+
+
+def test_full_recompute_keeps_group_inputs_or_the_blocks_left_whole():
+    from megarl.plan.memory import _full_recompute_bytes
+
+    layers, layer_input, units = [10.0, 20.0, 30.0, 40.0], 1.0, 2
+    full = LayoutSpec(world_size=1, recompute="full")
+    # uniform groups of n: each group's input in flight, one group rebuilt at a time
+    assert _full_recompute_bytes(full, layers, layer_input, units) == 2 * 4 * 1 + 40
+    assert _full_recompute_bytes(replace(full, recompute_num_layers=2), layers, layer_input, units) == 2 * 2 + 70
+    # block: the first n layers of each virtual chunk recomputed, the others kept whole
+    block = replace(full, recompute_method="block")
+    assert _full_recompute_bytes(replace(block, recompute_num_layers=1), layers, layer_input, units) == 2 * 91 + 10
+    assert _full_recompute_bytes(replace(block, recompute_num_layers=4), layers, layer_input, units) == 2 * 4 + 40
+    vpp2 = replace(block, recompute_num_layers=1, parallel=ParallelLayout(virtual_pipeline_parallel=2))
+    assert _full_recompute_bytes(vpp2, layers, layer_input, units) == 2 * (2 + 20 + 40) + 30
+
+
+def test_block_recompute_over_every_layer_plans_like_full_recompute():
+    config, train = load("llama3_1_8b"), TrainingSpec(global_batch_size=64, max_seq_len=2048)
+    full = LayoutSpec(world_size=1, recompute="full")
+    every = plan_layout(config, replace(full, recompute_method="block", recompute_num_layers=32), train, 80)
+    half = plan_layout(config, replace(full, recompute_method="block", recompute_num_layers=16), train, 80)
+    none = plan_layout(config, replace(full, recompute="none"), train, 80)
+    train_of = lambda report: phase(report, "actor train").components["actor activations"]  # noqa: E731
+    assert train_of(every) == pytest.approx(train_of(plan_layout(config, full, train, 80)))
+    assert train_of(every) < train_of(half) < train_of(none)

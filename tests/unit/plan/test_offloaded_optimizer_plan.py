@@ -90,3 +90,15 @@ def test_the_check_is_skipped_where_it_cannot_see_the_gpus(model_dir):
     check_memory_plan(_config(model_dir, no_offload, "trainer.check_memory_plan=false"))
     with pytest.raises(ConfigError, match="trainer.device=cpu has no GPU"):
         _config(model_dir, "trainer.device=cpu")  # and a CPU run refuses megatron's CPU offload at load
+
+
+def test_partial_recompute_reaches_the_plan_and_fits_the_7b_run_with_8_layers_kept_whole(model_dir):
+    """What the next 7B run may try on the H100: full recompute of 20 of the 28 layers (megatron's "block")."""
+    _, full, training = specs_from_run_config(_config(model_dir))
+    _, block, _ = specs_from_run_config(_config(model_dir, f"{A}.megatron.recompute_method=block",
+                                                f"{A}.megatron.recompute_num_layers=20"))
+    assert (full.recompute_method, full.recompute_num_layers) == ("uniform", 1)
+    assert (block.recompute_method, block.recompute_num_layers) == ("block", 20)
+    peaks = {name: {p.phase: p.total / GIB for p in plan_layout(qwen2_config("7b"), layout, training, H100_GIB).phases}
+             for name, layout in (("full", full), ("block", block))}
+    assert peaks["full"]["actor train"] < peaks["block"]["actor train"] < H100_GIB - 2
