@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from bench.shapes import SHAPES, is_vision_language, model_config
+from bench.measure import H200_SPEC_BF16_DENSE_TFLOPS
+from bench.shapes import SHAPES, is_vision_language, model_config, train_flops_for_lengths
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "step")
 
@@ -198,6 +199,19 @@ def generate_alone(args, work: Path) -> dict:
             "gen_alone_quantization": args.quantization}
 
 
+def update_mfu(hf_cfg: dict, args, means: dict) -> dict:
+    """The update's model FLOPs (bench/shapes.py: 6 x matmul parameters x tokens + attention; recompute not
+    counted; a vision-language model's language model) over its seconds, against the card's dense bf16 peak
+    (989 TFLOP/s on an H100 SXM and an H200 alike), with and without the host optimizer step it contains."""
+    if "timing_s/update_actor" not in means:
+        return {}
+    flops = train_flops_for_lengths(hf_cfg, [args.prompt_len + args.response_len] * (args.prompts * args.n))
+    update, host_step = means["timing_s/update_actor"], means.get("actor/optimizer_step_s", 0.0)
+    peak = H200_SPEC_BF16_DENSE_TFLOPS * 1e12
+    return {"update_tflops": flops / update / 1e12, "update_mfu": flops / update / peak,
+            "update_mfu_without_optimizer_step": flops / (update - host_step) / peak if update > host_step else None}
+
+
 def format_table(result: dict) -> str:
     means = result["steady"]
     lines = [f"e2e GRPO {result['shape']}: {result['prompts']} prompts x n={result['n']}, prompt {result['prompt_len']}"
@@ -206,6 +220,10 @@ def format_table(result: dict) -> str:
     lines += [f"| {stage} | {means[f'timing_s/{stage}']:.2f} |" for stage in STAGES if f"timing_s/{stage}" in means]
     if "actor/optimizer_step_s" in means:
         lines.append(f"(update_actor's optimizer steps: {means['actor/optimizer_step_s']:.2f} s)")
+    if result.get("update_mfu") is not None:
+        without = result["update_mfu_without_optimizer_step"]
+        lines.append(f"update: {result['update_tflops']:.0f} TFLOP/s of model FLOPs, MFU {result['update_mfu']:.1%}"
+                     + (f" ({without:.1%} without the optimizer step)" if without is not None else ""))
     lines += ["", f"tokens/s/GPU (verl's perf/throughput): {means.get('perf/throughput', float('nan')):,.0f}",
               f"weight sync: {means.get('weight_sync/bytes', 0) / 1e9:.2f} GB at "
               f"{means.get('weight_sync/gb_per_s', float('nan')):.1f} GB/s",
@@ -282,6 +300,7 @@ def main(argv=None) -> dict:
         history = run(cfg)
         result = {**workload, "steps": args.steps, "wall_s": time.perf_counter() - start, "history": history,
                   "steady": steady_means(history)}
+        result.update(update_mfu(hf_cfg, args, result["steady"]))
         if args.gen_alone:
             import ray
 
