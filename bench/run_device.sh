@@ -148,7 +148,12 @@ elif [ "$MODE" = lora ]; then  # LoRA GRPO at $MODELS (default: 14b on an 80 GB 
   done
 elif [ "$MODE" = vl ]; then  # vision-language GRPO at $MODELS (default vl-3b), random init, one picture per prompt
   # Megatron's grads and Adam state leave the device while vLLM generates (verl's offload keys); the tower is frozen.
+  # vl-3b's update plans 99.7 GiB without recompute (bf16 params, fp32 grads and Adam, 8192-token micro-batches with
+  # their fp32 log-prob buffers): an 80 GB card takes full recompute and bf16 grads (70.6 GiB), a 141 GB one neither.
   O=actor_rollout_ref.actor
+  GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory // 2**30)")
+  if [ "$GIB" -lt 100 ]; then FIT="$O.megatron.recompute_granularity=full $O.megatron.override_ddp_config.grad_reduce_in_fp32=false"
+  else FIT=""; fi
   [ "${SKIP_TESTS:-0}" = 1 ] || step vl_cuda_tests timeout 400 python3 -m pytest tests/gpu/test_vllm_vision_language_cuda.py \
     tests/gpu/test_vision_language_cuda.py -q -rs -s -p no:cacheprovider
   for model in $(echo "${MODELS:-vl-3b}" | tr , ' '); do
@@ -156,7 +161,8 @@ elif [ "$MODE" = vl ]; then  # vision-language GRPO at $MODELS (default vl-3b), 
       --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-512}" --response-len "${RESPONSE_LEN:-512}" \
       --image-size "${IMAGE_SIZE:-448}" --steps "${STEPS:-3}" --token-budget "${BUDGET:-8192}" \
       --gpu-memory-utilization "${UTIL:-0.4}" --out "$OUT/e2e_$model.json" \
-      $O.megatron.grad_offload=true $O.megatron.optimizer_offload=true $O.megatron.use_distributed_optimizer=true ${EXTRA:-}
+      $O.megatron.grad_offload=true $O.megatron.optimizer_offload=true $O.megatron.use_distributed_optimizer=true \
+      $FIT ${EXTRA:-}
   done
 elif [ "$MODE" = fp8curve ]; then  # a short learning curve: grpo_tiny through vLLM, bf16 rollout, then FP8 (+ token TIS)
   # Same seed, data and bf16 training for both; only the rollout's weights differ. metrics.jsonl of each comes back.
