@@ -71,9 +71,10 @@ def vision_tokens_of(hf_cfg: dict) -> dict[str, int]:
             "<|image_pad|>": hf_cfg["image_token_id"], "<|video_pad|>": hf_cfg["video_token_id"]}
 
 
-def write_vision_language_model(out: Path, hf_cfg: dict) -> None:
-    """config.json in the published (flat) layout and the image processor's settings (Qwen2-VL's published ones);
-    no weights: a vision-language shape runs with --random-init only."""
+def write_vision_language_model(out: Path, hf_cfg: dict, image_size: int) -> None:
+    """config.json in the published (flat) layout and the image processor's settings (Qwen2-VL's published ones, but
+    at most ``image_size`` squared pixels: vLLM sizes its multimodal budget by the largest image the processor
+    allows, which must fit the benchmark's short max_model_len); no weights: --random-init only."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
     vision = hf_cfg["vision_config"]
@@ -82,8 +83,8 @@ def write_vision_language_model(out: Path, hf_cfg: dict) -> None:
         "do_rescale": True, "do_resize": True, "rescale_factor": 1 / 255, "resample": 3,
         "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
         "patch_size": vision["patch_size"], "merge_size": vision["spatial_merge_size"],
-        "temporal_patch_size": vision["temporal_patch_size"], "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
-        "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}, indent=1))
+        "temporal_patch_size": vision["temporal_patch_size"], "min_pixels": 56 * 56, "max_pixels": image_size ** 2,
+        "size": {"shortest_edge": 56 * 56, "longest_edge": image_size ** 2}}, indent=1))
 
 
 def write_model(out: Path, hf_cfg: dict, device: str, *, weights: bool = True) -> None:
@@ -277,7 +278,7 @@ def main(argv=None) -> dict:
     if not (work / "model" / "config.json").is_file():
         special = vision_tokens_of(hf_cfg) if vision else None
         if vision:  # vLLM builds the image processor, and with it the tokenizer, from the model's folder
-            write_vision_language_model(work / "model", hf_cfg)
+            write_vision_language_model(work / "model", hf_cfg, args.image_size)
             write_word_tokenizer(work / "model", hf_cfg["vocab_size"], hf_cfg["eos_token_id"], special)
         else:
             write_model(work / "model", hf_cfg, args.device, weights=not args.random_init)

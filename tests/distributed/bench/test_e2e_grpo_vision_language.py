@@ -40,5 +40,6 @@ def test_prepared_prompts_hold_one_picture_and_prompt_len_tokens(tmp_path):
     assert [len(ids) for ids in batch.prompt_ids] == [80] * 3
     assert [ids.count(vision.image_pad_id) for ids in batch.prompt_ids] == [16] * 3  # (112 / 28) ** 2
     assert [inputs["image_grid_thw"].tolist() for inputs in batch.multi_modal_inputs] == [[[1, 8, 8]]] * 3
+    assert vision.max_pixels == 112 * 112  # vLLM sizes its image budget by the largest picture allowed
     with pytest.raises(SystemExit):  # a vision-language shape has no weights to write
         main(["--shape", "vl-tiny", "--device", "cpu", "--work", str(tmp_path), "--prepare-only"])
