@@ -18,6 +18,7 @@ class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
     val_files: list[str] = field(default_factory=lambda: ["embedded:digits"])
     prompt_key: str = "prompt"
+    image_key: str = "images"  # a multimodal row's column of {bytes, path} images (verl's key and default)
     # verl's production defaults; the CPU demo (configs/grpo_tiny.yaml) sets its own small ones
     max_prompt_length: int = 512
     max_response_length: int = 512

@@ -157,7 +157,6 @@ FULL = {
     "data.dataloader_num_workers": "megarl tokenises once and caches the result; no loader workers",
     "data.filter_overlong_prompts_workers": "megarl tokenises once and caches the result",
     "data.validation_shuffle": "validation runs in file order",
-    "data.image_key": "megarl reads the images from verl's default column, images",
     "data.video_key": "videos are not in megarl yet (issue 42)",
     "data.audio_key": "multimodal data is not in megarl",
     "data.image_patch_size": "megarl takes the patch size from the model's config.json (vision_config)",

@@ -7,7 +7,8 @@ Columns (one row per prompt):
     data_source   optional str, selects the reward function
     extra_info    optional struct, map or JSON string; passed through to the reward function
     images        optional list of {bytes, path} per row (megarl.data.images; verl's multimodal layout), one
-                  `<image>` placeholder in the prompt per image; read only with allow_images=True
+                  `<image>` placeholder in the prompt per image; read only with allow_images=True; another
+                  column name with image_key (verl's data.image_key), as prompt_key names the prompt's
 
 `RLDataset` tokenizes everything up front so overlong prompts are found (and reported) before training starts.
 `RLDataset.batch` / `collate_prompts` gather items into a batch (unpadded token ids: what the rollout engines take;
@@ -93,6 +94,7 @@ class RLDataset:
         tokenizer: Any,
         *,
         prompt_key: str = "prompt",
+        image_key: str = "images",
         max_prompt_length: int,
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
@@ -111,6 +113,7 @@ class RLDataset:
             raise ValueError("RLDataset needs at least one parquet file")
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
+        self.image_key = image_key
         self.max_prompt_length = max_prompt_length
         self.filter_overlong_prompts = filter_overlong_prompts
         self.truncation = truncation
@@ -160,7 +163,8 @@ class RLDataset:
         reward_models = table.column("reward_model").to_pylist()
         sources = table.column("data_source").to_pylist() if "data_source" in present else [None] * len(prompts)
         extras = table.column("extra_info").to_pylist() if "extra_info" in present else [None] * len(prompts)
-        images = table.column("images").to_pylist() if "images" in present else [None] * len(prompts)
+        images = (table.column(self.image_key).to_pylist() if self.image_key in present
+                  else [None] * len(prompts))
         file_filtered: list[int] = []
         for row, (prompt, reward_model, source, extra, row_images) in enumerate(
                 zip(prompts, reward_models, sources, extras, images)):
@@ -205,7 +209,7 @@ class RLDataset:
         prompt says."""
         if value is None:
             return [], []
-        entries = read_image_entries(value, where)
+        entries = read_image_entries(value, where, self.image_key)
         placeholders = count_placeholders(prompt)
         if not entries and not placeholders:
             return [], []
@@ -216,7 +220,7 @@ class RLDataset:
         check_one_placeholder_per_image(entries, prompt, where)
         grids = []
         for i, entry in enumerate(entries):
-            image = open_image(entry, f"{where} images[{i}]", base_dir=base_dir)
+            image = open_image(entry, f"{where} {self.image_key}[{i}]", base_dir=base_dir)
             if self.vision is not None:
                 grids.append(image_grid(image.height, image.width, self.vision))
             if entry["bytes"] is None and not Path(entry["path"]).is_absolute():  # relative to the parquet file

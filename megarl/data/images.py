@@ -26,12 +26,13 @@ def image_entry(data: bytes | None = None, path: str | None = None) -> dict[str,
     return {"bytes": data, "path": path}
 
 
-def read_image_entries(value: Any, where: str) -> list[dict[str, Any]]:
-    """A row's ``images`` cell as a list of ``{bytes, path}`` entries (a bare bytes or path item is one too)."""
+def read_image_entries(value: Any, where: str, column: str = "images") -> list[dict[str, Any]]:
+    """A row's ``images`` cell (``column``: the dataset's ``data.image_key``) as a list of ``{bytes, path}`` entries
+    (a bare bytes or path item is one too)."""
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{where}: column 'images' must be a list of images, got {type(value).__name__}")
+        raise ValueError(f"{where}: column {column!r} must be a list of images, got {type(value).__name__}")
     entries = []
     for i, item in enumerate(value):
         if isinstance(item, (bytes, bytearray)):
@@ -39,7 +40,7 @@ def read_image_entries(value: Any, where: str) -> list[dict[str, Any]]:
         elif isinstance(item, str):
             item = {"bytes": None, "path": item}
         if not isinstance(item, dict) or (item.get("bytes") is None and not item.get("path")):
-            raise ValueError(f"{where}: images[{i}] must hold image bytes or a path, got {item!r:.200}")
+            raise ValueError(f"{where}: {column}[{i}] must hold image bytes or a path, got {item!r:.200}")
         entries.append({"bytes": item.get("bytes"), "path": item.get("path")})
     return entries
 

@@ -40,7 +40,8 @@ def build_data(cfg: MegarlConfig, tokenizer, tools: Optional[dict] = None, visio
 
     def dataset(files, split):
         return RLDataset(resolve_data_files(files, split=split), tokenizer, prompt_key=d.prompt_key,
-                         max_prompt_length=d.max_prompt_length, filter_overlong_prompts=d.filter_overlong_prompts,
+                         image_key=d.image_key, max_prompt_length=d.max_prompt_length,
+                         filter_overlong_prompts=d.filter_overlong_prompts,
                          truncation=d.truncation, apply_chat_template=d.apply_chat_template,
                          tools=[tool.schema for tool in tools.values()] if tools else None, vision=vision)
 

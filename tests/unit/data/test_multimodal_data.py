@@ -150,3 +150,23 @@ def test_geo3k_from_a_local_copy_keeps_its_images(tmp_path, tokenizer, capsys):
     assert preprocess(["geo3k", "--input", str(bad), "--output", str(tmp_path / "bad_out")]) == 2
     assert "bad.parquet row 0: 0 image(s) but 1 '<image>'" in capsys.readouterr().err
     assert not (tmp_path / "bad_out").exists()
+
+
+def test_image_key_names_the_images_column(tmp_path, tokenizer):
+    """verl's data.image_key: a dataset whose pictures live in another column reads them from there (and a
+    broken one is named by that column)."""
+    from megarl.run_config import load_config
+
+    png = draw_shapes(random.Random(0), size=32, count=1, colour="red", shape="square")
+    path = tmp_path / "pictures.parquet"
+    pq.write_table(pa.table({
+        "prompt": [[{"role": "user", "content": "<image>how many?"}]] * 2,
+        "reward_model": [{"ground_truth": "1", "style": "rule"}] * 2,
+        "pictures": pa.array([[{"bytes": png, "path": None}], [{"bytes": b"not a png", "path": None}]],
+                             type=pa.list_(IMAGE_TYPE)),
+    }), path)
+    assert load_config(None, ["data.image_key=pictures"]).data.image_key == "pictures"
+    with pytest.raises(ValueError, match=r"row 1 pictures\[0\]: the image is not"):
+        RLDataset(path, tokenizer, max_prompt_length=512, allow_images=True, image_key="pictures")
+    # under the default key the column is not the images: the rows are text, <image> and all
+    assert RLDataset(path, tokenizer, max_prompt_length=512)[0].images == []
