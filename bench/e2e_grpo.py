@@ -283,7 +283,12 @@ def main(argv=None) -> dict:
         else:
             write_model(work / "model", hf_cfg, args.device, weights=not args.random_init)
         write_word_tokenizer(work / "tok", hf_cfg["vocab_size"], hf_cfg["eos_token_id"], special)
-    image_tokens = (args.image_size // 28) ** 2 if vision else 0  # 14-pixel patches, 2 x 2 merged per token
+    image_tokens = 0
+    if vision:  # as megarl's dataset will count them: the model folder's patch geometry and pixel bounds
+        from megarl.data.vision_inputs import VisionTokens, image_grid, tokens_of
+
+        tokens = VisionTokens.of_model(work / "model")
+        image_tokens = tokens_of(image_grid(args.image_size, args.image_size, tokens), tokens)
     write_prompts(work / "prompts.parquet", rows=args.prompts * args.steps, prompt_len=args.prompt_len,
                   vocab_size=hf_cfg["vocab_size"], image_size=args.image_size if vision else 0,
                   image_tokens=image_tokens)
