@@ -96,8 +96,14 @@ def image_grid(height: int, width: int, tokens: VisionTokens) -> tuple[int, int,
     return 1, h // tokens.patch_size, w // tokens.patch_size
 
 
+def grid_tokens(grid: Sequence[int], merge_size: int) -> int:
+    """How many image tokens a patch grid (frames x rows x columns) becomes: the merger folds each
+    ``merge_size x merge_size`` block of patches into one token."""
+    return int(grid[0]) * int(grid[1]) * int(grid[2]) // merge_size ** 2
+
+
 def tokens_of(grid: Sequence[int], tokens: VisionTokens) -> int:
-    return int(grid[0]) * int(grid[1]) * int(grid[2]) // tokens.merge_size ** 2
+    return grid_tokens(grid, tokens.merge_size)
 
 
 def expand_image_pads(input_ids: Sequence[int], grids: Sequence[Sequence[int]], tokens: VisionTokens,
@@ -128,7 +134,7 @@ def image_runs(input_ids: Sequence[int], grids: Sequence[Sequence[int]], *, imag
     runs: list[tuple[int, int]] = []
     index = 0
     for image, grid in enumerate(grids):
-        needed = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge_size ** 2
+        needed = grid_tokens(grid, merge_size)
         while index < len(ids) and ids[index] != image_token_id:
             index += 1
         if index == len(ids):

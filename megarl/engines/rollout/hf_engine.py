@@ -242,6 +242,7 @@ class HFRolloutEngine(RolloutEngine):
         (:func:`~megarl.models.vision_language.image_slots`: an image token a multi-turn prompt holds from an
         earlier turn's sampling stays text, as in the trainer). The tower sees each prompt's images once, however
         many rows (samples) the prompt has."""
+        from megarl.data.vision_inputs import grid_tokens
         from megarl.models.vision_language import batch_mrope_position_ids, image_slots
 
         row_inputs = [prompt_inputs[prompt] for prompt in prompt_of_row]
@@ -261,7 +262,8 @@ class HFRolloutEngine(RolloutEngine):
         features = tower(pixels, grid_thw=torch.cat([prompt_inputs[p]["image_grid_thw"] for p in with_images])
                          .to(self.device))
         features = getattr(features, "pooler_output", features)  # merged: one row per image token, prompt by prompt
-        tokens = [int((prompt_inputs[p]["image_grid_thw"].prod(dim=-1) // merge ** 2).sum()) for p in with_images]
+        tokens = [sum(grid_tokens(grid, merge) for grid in prompt_inputs[p]["image_grid_thw"].tolist())
+                  for p in with_images]
         per_prompt = dict(zip(with_images, features.split(tokens)))
         features = torch.cat([per_prompt[prompt] for prompt in prompt_of_row if prompt in per_prompt])  # row order
         if int(slots.sum()) != features.shape[0]:
