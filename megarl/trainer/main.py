@@ -120,25 +120,23 @@ def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Pat
 
 def vision_language_policy(cfg: MegarlConfig, model_path):
     """The policy's :class:`~megarl.data.vision_inputs.VisionTokens` when it is a vision-language model (None for a
-    text model), after refusing, before anything starts, what megarl does not run with images yet."""
+    text model), after refusing, before anything starts, what megarl does not run with images yet (context
+    parallelism)."""
     from megarl.config import ConfigError
     from megarl.data.vision_inputs import VisionTokens
 
     vision = VisionTokens.of_model(model_path) if Path(model_path).is_dir() else None
     if vision is None:
         return None
-    arr = cfg.actor_rollout_ref
-    unsupported = {
-        "async_training.mode=fully_async": cfg.async_training.mode == "fully_async",
-        "a critic (critic.enable / adv_estimator=gae)": bool(cfg.critic.enable),
-        "actor_rollout_ref.actor.megatron.context_parallel_size > 1": arr.actor.megatron.context_parallel_size > 1,
-    }
-    refused = [what for what, given in unsupported.items() if given]
+    # the images' M-RoPE positions and slots are laid out per whole sequence: a context-parallel rank holds pieces
+    cp_keys = {"actor_rollout_ref.actor.megatron.context_parallel_size":
+               cfg.actor_rollout_ref.actor.megatron.context_parallel_size,
+               "critic.megatron.context_parallel_size":
+               cfg.critic.megatron.context_parallel_size if cfg.critic.enable else 1}
+    refused = [f"{key}={size}" for key, size in cp_keys.items() if size > 1]
     if refused:
         raise ConfigError(f"actor_rollout_ref.model.path={str(model_path)!r} is a vision-language model; megarl "
-                          f"trains one synchronous or one-step-off, without a critic or context parallelism so "
-                          f"far: not with "
-                          f"{'; '.join(refused)}")
+                          f"trains one without context parallelism so far: not with {'; '.join(refused)}")
     return vision
 
 

@@ -237,7 +237,9 @@ def assemble_groups(groups: list, generator: Generator):
     prompts = PromptBatch(prompt_ids=[g.prompt_ids for g in groups], raw_prompts=[g.raw_prompt for g in groups],
                           ground_truths=[g.ground_truth for g in groups],
                           data_sources=[g.data_source for g in groups], extra_infos=[g.extra_info for g in groups],
-                          indices=list(range(len(groups))))
+                          indices=list(range(len(groups))),
+                          multi_modal_inputs=[g.multi_modal_inputs for g in groups]
+                          if any(g.multi_modal_inputs is not None for g in groups) else [])
     responses = [RolloutOutput(prompt_index=index, token_ids=r.tokens, log_probs=r.log_probs, finish_reason="stop")
                  for index, group in enumerate(groups) for r in group.requests]
     return assemble_rollout_batch(prompts, responses, group_ids=[g.group_id for g in groups],

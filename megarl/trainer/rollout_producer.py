@@ -54,6 +54,7 @@ class Group:
     ground_truth: Any
     extra_info: Any
     raw_prompt: Any
+    multi_modal_inputs: Any = None  # a vision-language prompt's images (pixels, grids): every call of its requests
     requests: list[Request] = field(default_factory=list)
 
     @property
@@ -175,13 +176,16 @@ class RolloutProducer:
                     if self._stopped:
                         return
                     requests = self._next_call()
+                    # a continued response is its prompt and tokens so far: the prompt's images go again each call
+                    images = [self.groups[r.group].multi_modal_inputs for r in requests]
                     version, seed = self.version, self.seed * 1_000_003 + self.calls
                     self.calls += 1
                     self._busy = True
                 try:
                     outputs = self.rollout.generate(
                         [r.prompt_ids + r.tokens for r in requests],
-                        replace(self.sampling, n=1, max_tokens=self.chunk_tokens, seed=seed, logprobs=True))
+                        replace(self.sampling, n=1, max_tokens=self.chunk_tokens, seed=seed, logprobs=True),
+                        images if any(image is not None for image in images) else None)
                 finally:
                     with self._cond:
                         self._busy = False
@@ -221,7 +225,8 @@ class RolloutProducer:
                           data_source=prompts.data_sources[row] if prompts.data_sources else None,
                           ground_truth=prompts.ground_truths[row] if prompts.ground_truths else None,
                           extra_info=prompts.extra_infos[row] if prompts.extra_infos else None,
-                          raw_prompt=prompts.raw_prompts[row] if prompts.raw_prompts else None)
+                          raw_prompt=prompts.raw_prompts[row] if prompts.raw_prompts else None,
+                          multi_modal_inputs=prompts.multi_modal_inputs[row] if prompts.multi_modal_inputs else None)
             group.requests = [Request(group=index, prompt_ids=ids) for _ in range(self.n)]
             self.groups[index] = group
             new += group.requests

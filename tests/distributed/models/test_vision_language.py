@@ -152,24 +152,38 @@ def transformers_model(hf_dir: str):
                                                               attn_implementation="eager").eval()
 
 
-def scored_by_transformers(model, prompt: list[int], response: list[int], images: dict) -> torch.Tensor:
-    """log p(response token | everything before it) of one row with its images, by transformers: the image
-    features go into the prompt's image tokens only (a response's image tokens, sampled by the policy, are embedded
-    as text), positions are transformers' own ``get_rope_index`` of the prompt, counting on by one after it."""
+@torch.no_grad()
+def transformers_inputs(model, prompt: list[int], response: list[int], images: dict):
+    """transformers' input embeddings and M-RoPE positions of one row with its images: the image features go into
+    the prompt's image tokens only (a response's image tokens, sampled by the policy, are embedded as text),
+    positions are transformers' own ``get_rope_index`` of the prompt, counting on by one after it."""
     ids = torch.tensor([prompt + response])
     prompt_ids = ids[:, :len(prompt)]
+    embeddings = model.get_input_embeddings()(ids)
+    features = model.model.visual(images["pixel_values"], grid_thw=images["image_grid_thw"])
+    embeddings[0, :len(prompt)][prompt_ids[0] == IMAGE] = getattr(features, "pooler_output", features)
+    prompt_positions, _ = model.model.get_rope_index(
+        prompt_ids, image_grid_thw=images["image_grid_thw"], mm_token_type_ids=(prompt_ids == IMAGE).int(),
+        attention_mask=torch.ones_like(prompt_ids))
+    after = prompt_positions.max() + 1 + torch.arange(len(response))
+    return embeddings, torch.cat([prompt_positions, after.expand(3, 1, -1)], dim=-1)
+
+
+def scored_by_transformers(model, prompt: list[int], response: list[int], images: dict) -> torch.Tensor:
+    """log p(response token | everything before it) of one row with its images, by transformers."""
+    embeddings, positions = transformers_inputs(model, prompt, response, images)
     with torch.no_grad():
-        embeddings = model.get_input_embeddings()(ids)
-        features = model.model.visual(images["pixel_values"], grid_thw=images["image_grid_thw"])
-        embeddings[0, :len(prompt)][prompt_ids[0] == IMAGE] = getattr(features, "pooler_output", features)
-        prompt_positions, _ = model.model.get_rope_index(
-            prompt_ids, image_grid_thw=images["image_grid_thw"], mm_token_type_ids=(prompt_ids == IMAGE).int(),
-            attention_mask=torch.ones_like(prompt_ids))
-        after = prompt_positions.max() + 1 + torch.arange(len(response))
-        positions = torch.cat([prompt_positions, after.expand(3, 1, -1)], dim=-1)
         logits = model(inputs_embeds=embeddings, position_ids=positions).logits[0]
     predicting = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return predicting.gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def final_hidden_by_transformers(model, prompt: list[int], response: list[int], images: dict) -> torch.Tensor:
+    """transformers' last hidden states (after the final norm) at the positions predicting each response token."""
+    embeddings, positions = transformers_inputs(model, prompt, response, images)
+    with torch.no_grad():
+        hidden = model.model(inputs_embeds=embeddings, position_ids=positions).last_hidden_state[0]
+    return hidden[len(prompt) - 1:-1]
 
 
 def transformers_response_log_probs(hf_dir: str) -> list[torch.Tensor]:
@@ -201,6 +215,35 @@ def engine_log_probs(rank: int, hf_dir: str) -> dict:
                                  micro_batching=MicroBatching(sequence_packing=packing))
         load_hf_weights(engine.model, hf_dir, bridge)
         results[label] = engine.compute_log_probs(rollout_batch())[0]
+    return results
+
+
+def critic_values(rank: int, hf_dir: str) -> dict:
+    """A critic of the vision-language model (value head on the loaded trunk, as the critic worker builds it):
+    its values of the image batch, padded at TP=1 and packed at TP=2, and its head's weight and bias."""
+    from megarl.engines.megatron.critic import CriticEngine
+    from megarl.engines.megatron.micro_batches import MicroBatching
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.models.bridge import ModelBridge
+    from megarl.models.hf_checkpoint import load_hf_weights
+
+    results = {}
+    for label, tp, packing in (("tp1_padded", 1, False), ("tp2_packed", 2, True)):
+        layout = ParallelLayout(tensor_parallel=tp)
+        initialize_megatron_parallel(layout=layout, seed=11)
+        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
+        config = bridge.transformer_config(layout=layout, perform_initialization=False)
+
+        def provide(pre_process, post_process, vp_stage=None):
+            return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
+                                      tie_embeddings=False)
+
+        engine = CriticEngine(model_provider=provide, config=config, optimizer_config=None, micro_batch_size=2,
+                              micro_batching=MicroBatching(sequence_packing=packing))
+        load_hf_weights(engine.model, hf_dir, bridge, exclude_prefixes=("output_layer.",))
+        results[label] = engine.compute_values(rollout_batch())
+        head = [m for m in engine.model[0].modules() if type(m).__name__ == "ValueHead"][0]
+        results["head"] = (head.weight.detach().clone(), head.bias.detach().clone())
     return results
 
 
@@ -296,6 +339,24 @@ def test_the_engine_scores_responses_to_images_like_transformers_padded_packed_t
                 got = log_probs[row, :len(want)]
                 # log-probs of fp32 logits: an error of the logits' size, relative to the log-sum-exp's (~log V)
                 torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0,
+                                           msg=lambda m: f"rank {rank} {label} row {row}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_a_critic_values_the_responses_to_images_from_transformers_hidden_states_padded_and_packed_tp2(checkpoint):
+    """The value of each response token is the value head applied to the hidden state that predicts it, the images
+    in their prompt's slots: transformers' final hidden states through the critic's own head."""
+    model, batch = transformers_model(checkpoint), rollout_batch()
+    hidden = [final_hidden_by_transformers(model, prompt, response, batch.multi_modal_inputs[row])
+              for row, (prompt, response) in enumerate(zip(ROWS, RESPONSES))]
+    for rank, results in enumerate(run_distributed(critic_values, 2, checkpoint, timeout_s=240)):
+        weight, bias = results["head"]
+        for label in ("tp1_padded", "tp2_packed"):
+            for row, h in enumerate(hidden):
+                want = (h @ weight.T + bias)[:, 0]
+                # fp32 sums over the hidden size: an error of a few ulps of the largest product's size
+                scale = float((h.abs() @ weight.abs().T).max())
+                torch.testing.assert_close(results[label][row, :len(want)], want, atol=1e-5 * scale, rtol=0,
                                            msg=lambda m: f"rank {rank} {label} row {row}: {m}")
 
 

@@ -54,3 +54,22 @@ def test_conversations_one_step_off_see_the_prompts_picture_on_every_turn(tmp_pa
     assert all(h["agent/tool_calls/mean"] > 0.5 and h["agent/turns/mean"] > 1 for h in history), history
     assert history[0]["rollout/log_prob_diff_max"] < 1e-4, history[0]["rollout/log_prob_diff_max"]
     assert history[1]["rollout/log_prob_diff_max"] > 1e-4
+
+
+@pytest.mark.timeout(600)
+def test_fully_async_partial_rollouts_carry_the_picture_and_a_critic_values_it(tmp_path):
+    """fully_async with two-token chunks: every response is generated over several calls, each one sending the
+    prompt and the tokens so far, and the prompt's picture again (a continuation without it would score every later
+    token differently). Step 1's groups came from the initial weights: the trainer's log-probs equal the engine's.
+    GAE's critic is the same vision-language trunk with a value head, fed the same images."""
+    from megarl.trainer.main import run
+
+    history = run(_config(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                          "trainer.placement=separate", "trainer.n_gpus_per_node=2", "trainer.rollout_gpus=1",
+                          "async_training.mode=fully_async", "async_training.partial_rollout_chunk=2",
+                          "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=4"))
+    first = history[0]
+    assert first["async/staleness_max"] == 0.0 and first["response_length/mean"] > 2  # most took two calls
+    assert first["rollout/log_prob_diff_max"] < 1e-4, first["rollout/log_prob_diff_max"]
+    assert all(h["prompt_length/mean"] == 84 + 6 for h in history)
+    assert all(0 < h["critic/vf_loss"] < float("inf") for h in history), [h["critic/vf_loss"] for h in history]
