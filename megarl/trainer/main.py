@@ -121,22 +121,25 @@ def start_up_summary(cfg: MegarlConfig, out_dir: Path, resume_from: Optional[Pat
 def vision_language_policy(cfg: MegarlConfig, model_path):
     """The policy's :class:`~megarl.data.vision_inputs.VisionTokens` when it is a vision-language model (None for a
     text model), after refusing, before anything starts, what megarl does not run with images yet (context
-    parallelism)."""
+    and sequence parallelism)."""
     from megarl.config import ConfigError
     from megarl.data.vision_inputs import VisionTokens
 
     vision = VisionTokens.of_model(model_path) if Path(model_path).is_dir() else None
     if vision is None:
         return None
-    # the images' M-RoPE positions and slots are laid out per whole sequence: a context-parallel rank holds pieces
-    cp_keys = {"actor_rollout_ref.actor.megatron.context_parallel_size":
-               cfg.actor_rollout_ref.actor.megatron.context_parallel_size,
-               "critic.megatron.context_parallel_size":
-               cfg.critic.megatron.context_parallel_size if cfg.critic.enable else 1}
-    refused = [f"{key}={size}" for key, size in cp_keys.items() if size > 1]
+    # the images' M-RoPE positions and slots are laid out per whole sequence, and the embedding that takes the image
+    # features is whole on every rank: context- and sequence-parallel ranks hold pieces of it
+    blocks = {"actor_rollout_ref.actor.megatron": cfg.actor_rollout_ref.actor.megatron}
+    if cfg.critic.enable:
+        blocks["critic.megatron"] = cfg.critic.megatron
+    refused = [f"{prefix}.context_parallel_size={m.context_parallel_size}" for prefix, m in blocks.items()
+               if m.context_parallel_size > 1]
+    refused += [f"{prefix}.sequence_parallel=true" for prefix, m in blocks.items() if m.sequence_parallel]
     if refused:
         raise ConfigError(f"actor_rollout_ref.model.path={str(model_path)!r} is a vision-language model; megarl "
-                          f"trains one without context parallelism so far: not with {'; '.join(refused)}")
+                          f"trains one without context or sequence parallelism so far: not with "
+                          f"{'; '.join(refused)}")
     return vision
 
 

@@ -80,6 +80,12 @@ def test_the_trainer_refuses_what_it_does_not_run_with_images_naming_the_keys(tm
                                  "trainer.n_gpus_per_node=2"])
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.path=.* is a vision-language model") as error:
         vision_language_policy(refused, tmp_path)
-    assert "context_parallel_size" in str(error.value)
+    assert "actor_rollout_ref.actor.megatron.context_parallel_size=2" in str(error.value)
+    refused = load_config(None, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                 "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                                 "critic.megatron.tensor_model_parallel_size=2", "critic.megatron.sequence_parallel=true",
+                                 "algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match="sequence_parallel=true; critic.megatron.sequence_parallel=true"):
+        vision_language_policy(refused, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert vision_language_policy(refused, tmp_path) is None  # a text model: nothing refused here
