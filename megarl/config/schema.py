@@ -412,6 +412,8 @@ class TrainerConfig:
     project_name: str = "megarl"
     # SPIN: every this many steps the reference becomes the actor (the next iteration's opponent); 0: never
     ref_update_freq: int = 0
+    # verl's: the actor updates from step critic_warmup on (steps count from 1; before it only the critic trains)
+    critic_warmup: int = 0
     # None: <adv_estimator>_<model directory name>, so a run without a name never writes into another run's folder
     experiment_name: Optional[str] = None
     total_epochs: int = 1

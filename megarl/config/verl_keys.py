@@ -16,7 +16,6 @@ from typing import Optional
 FULL = {
     "custom_reward_function.path": "megarl's key is reward_model.custom_function.path",
     "custom_reward_function.name": "megarl's key is reward_model.custom_function.name",
-    "trainer.critic_warmup": "not supported: the critic trains from step 1 (verl's default, 0, is what megarl does)",
     "actor_rollout_ref.rollout.mode": ("verl's sync/async rollout servers: megarl's rollout engines run inside the "
                                        "workers; asynchronous training is async_training.mode=one_step_off or "
                                        "fully_async"),

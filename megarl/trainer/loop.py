@@ -175,8 +175,9 @@ class RLTrainer:
             if self.critic is not None:
                 with timed("update_critic", metrics):
                     metrics.update({f"critic/{k}": v for k, v in self.critic.update(batch).items()})
-            with timed("update_actor", metrics):
-                metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
+            if step >= cfg.trainer.critic_warmup:  # verl's condition: before it, the critic trains alone
+                with timed("update_actor", metrics):
+                    metrics.update({f"actor/{k}": v for k, v in self.actor.update(batch).items()})
             if self.rollout_mode.weights_due(step):
                 self.rollout_mode.push_weights(step, metrics)
             if cfg.trainer.ref_update_freq > 0 and step % cfg.trainer.ref_update_freq == 0:

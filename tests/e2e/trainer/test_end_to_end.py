@@ -340,8 +340,10 @@ def _assert_trained_hf_export(export_dir: Path) -> None:
 def test_context_parallel_ppo_trains_and_scores_like_the_rollout(tmp_path):
     """Actor, reference and critic with each sequence split over two CP ranks (packed, token budgets,
     checkpoint saved with an HF export, and resumed): the trainer's recomputed log-probs of the sampled tokens must equal the HF rollout
-    engine's (both fp32, and the CP split must not change them), and the critic must train."""
+    engine's (both fp32, and the CP split must not change them), and the critic must train, alone in step 1
+    (verl's trainer.critic_warmup=2: the actor updates from step 2 on)."""
     cp = ("trainer.n_gpus_per_node=2", "trainer.save_freq=2", "trainer.save_hf=true", "actor_rollout_ref.actor.use_kl_loss=true",
+          "trainer.critic_warmup=2",
           "actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2",
           "actor_rollout_ref.model.use_sequence_packing=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=128", "critic.ppo_max_token_len_per_gpu=128")
@@ -351,11 +353,13 @@ def test_context_parallel_ppo_trains_and_scores_like_the_rollout(tmp_path):
         assert step["rollout/log_prob_diff_max"] < 1e-4, step["rollout/log_prob_diff_max"]
         assert all(v == v for v in step.values()), "NaN metric"
     assert "critic/vf_loss" in history[-1] and "actor/kl_loss" in history[-1]
+    assert "critic/vf_loss" in history[0] and "timing_s/update_actor" not in history[0], history[0]
+    assert not any(k in history[0] for k in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm")), history[0]
     assert (tmp_path / "checkpoints" / "global_step_2" / "trainer_state.json").is_file()
     _assert_trained_hf_export(tmp_path / "checkpoints" / "global_step_2" / "actor_hf")
     resumed = _run(_config(tmp_path, "trainer.total_training_steps=3", *cp, recipe="ppo_tiny.yaml"))
     assert [h["step"] for h in resumed] == [3]  # the CP checkpoint loads back into the CP layout
-    assert resumed[0]["rollout/log_prob_diff_max"] < 1e-4
+    assert resumed[0]["rollout/log_prob_diff_max"] < 1e-4 and "actor/pg_loss" in resumed[0]
     print({k: [h[k] for h in history + resumed] for k in ("rollout/log_prob_diff_max", "critic/vf_loss")})
 
 

@@ -218,6 +218,15 @@ def test_self_play_settings_go_together(overrides, message):
         load_config(overrides=overrides)
 
 
+def test_critic_warmup_needs_a_critic_and_a_count():
+    assert load_config(overrides=["algorithm.adv_estimator=gae", "trainer.critic_warmup=5"]).trainer.critic_warmup == 5
+    assert load_config(overrides=["trainer.critic_warmup=1"]).trainer.critic_warmup == 1  # verl's: the actor updates at step 1
+    with pytest.raises(ConfigError, match=r"trainer.critic_warmup=3 holds the actor back .* has no critic"):
+        load_config(overrides=["trainer.critic_warmup=3"])
+    with pytest.raises(ConfigError, match="trainer.critic_warmup must be >= 0"):
+        load_config(overrides=["algorithm.adv_estimator=gae", "trainer.critic_warmup=-1"])
+
+
 def test_verls_policy_loss_block_and_each_losss_own_options():
     """verl spells the loss actor.policy_loss.loss_mode (its options beside it, SAPO's temperatures on the actor);
     megarl's shorter policy_loss=<mode> is the same key, and each loss gets the options its function takes."""

@@ -67,7 +67,7 @@ def test_every_entry_answers_some_verl_key():
 
 
 def test_a_command_of_refused_verl_keys_gets_every_reason_at_once():
-    sample = ["custom_reward_function.path", "trainer.critic_warmup", "actor_rollout_ref.model.trust_remote_code",
+    sample = ["custom_reward_function.path", "actor_rollout_ref.model.external_lib", "actor_rollout_ref.model.trust_remote_code",
               "actor_rollout_ref.actor.profiler.enable", "critic.optim.betas", "actor_rollout_ref.actor.optim.muon_momentum",
               "actor_rollout_ref.ref.megatron.tensor_model_parallel_size",
               "distillation.teacher_models.teacher_model.inference.name",
