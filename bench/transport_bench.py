@@ -92,8 +92,10 @@ def main(argv=None) -> int:
 
     payload = make_payload(args.total_mb)
     total_bytes = sum(t.numel() * t.element_size() for _, t in payload)
-    ray.init(num_cpus=max(2, args.receivers + 1), include_dashboard=False,
-             object_store_memory=max(2 * args.bucket_mb * 2**20 * args.receivers, 256 * 2**20))
+    started = not ray.is_initialized()  # inside a driver that has Ray already (a test session), use its cluster
+    if started:
+        ray.init(num_cpus=max(2, args.receivers + 1), include_dashboard=False,
+                 object_store_memory=max(2 * args.bucket_mb * 2**20 * args.receivers, 256 * 2**20))
     try:
         receivers, pool = start_receivers(args.receivers, [(n, t.numel()) for n, t in payload])
         peers = receivers.as_peers()
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
         if any(abs(g - want) > 1e-3 * max(1.0, abs(want)) for g in got):
             raise AssertionError(f"receivers hold {got}, expected {want}")
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     report = {"env": environment(torch.device("cpu")), "args": vars(args), "payload_bytes": total_bytes}
     print(f"{args.receivers} receivers, {total_bytes / 1e9:.2f} GB in {args.bucket_mb} MB buckets (CPU)")
     for kind, seconds in results.items():

@@ -7,7 +7,7 @@ import pytest
 
 
 @pytest.mark.timeout(300)
-def test_transport_bench_reports_both_transports(tmp_path):
+def test_transport_bench_reports_both_transports(tmp_path, ray_cluster):
     from bench.transport_bench import main
 
     out = tmp_path / "transport.json"
