@@ -192,24 +192,32 @@ def transformers_response_log_probs(hf_dir: str) -> list[torch.Tensor]:
             for row, (prompt, response) in enumerate(zip(ROWS, RESPONSES))]
 
 
+def megatron_parts(hf_dir: str, tp: int, pp: int = 1, **build_kwargs):
+    """Megatron's parallel state for TP x PP, the checkpoint's bridge and config, and a model provider building
+    it with ``build_kwargs``."""
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.models.bridge import ModelBridge
+
+    layout = ParallelLayout(tensor_parallel=tp, pipeline_parallel=pp)
+    initialize_megatron_parallel(layout=layout, seed=11)
+    bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
+    config = bridge.transformer_config(layout=layout, perform_initialization=False)
+
+    def provide(pre_process, post_process, vp_stage=None):
+        return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process, **build_kwargs)
+
+    return bridge, config, provide
+
+
 def engine_log_probs(rank: int, hf_dir: str) -> dict:
     from megarl.engines.megatron.actor import ReferenceEngine
     from megarl.engines.megatron.micro_batches import MicroBatching
-    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
-    from megarl.models.bridge import ModelBridge
     from megarl.models.hf_checkpoint import load_hf_weights
 
     results = {}
     for label, tp, pp, packing in (("tp1_padded", 1, 1, False), ("tp1_packed", 1, 1, True),
                                    ("tp2_packed", 2, 1, True), ("pp2_padded", 1, 2, False)):
-        layout = ParallelLayout(tensor_parallel=tp, pipeline_parallel=pp)
-        initialize_megatron_parallel(layout=layout, seed=11)
-        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
-        config = bridge.transformer_config(layout=layout, perform_initialization=False)
-
-        def provide(pre_process, post_process, vp_stage=None):
-            return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process)
-
+        bridge, config, provide = megatron_parts(hf_dir, tp, pp)
         engine = ReferenceEngine(model_provider=provide, config=config, micro_batch_size=2,
                                  vocab_size=bridge.dims.vocab_size,
                                  micro_batching=MicroBatching(sequence_packing=packing))
@@ -223,21 +231,11 @@ def critic_values(rank: int, hf_dir: str) -> dict:
     its values of the image batch, padded at TP=1 and packed at TP=2, and its head's weight and bias."""
     from megarl.engines.megatron.critic import CriticEngine
     from megarl.engines.megatron.micro_batches import MicroBatching
-    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
-    from megarl.models.bridge import ModelBridge
     from megarl.models.hf_checkpoint import load_hf_weights
 
     results = {}
     for label, tp, packing in (("tp1_padded", 1, False), ("tp2_packed", 2, True)):
-        layout = ParallelLayout(tensor_parallel=tp)
-        initialize_megatron_parallel(layout=layout, seed=11)
-        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
-        config = bridge.transformer_config(layout=layout, perform_initialization=False)
-
-        def provide(pre_process, post_process, vp_stage=None):
-            return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
-                                      tie_embeddings=False)
-
+        bridge, config, provide = megatron_parts(hf_dir, tp, tie_embeddings=False)
         engine = CriticEngine(model_provider=provide, config=config, optimizer_config=None, micro_batch_size=2,
                               micro_batching=MicroBatching(sequence_packing=packing))
         load_hf_weights(engine.model, hf_dir, bridge, exclude_prefixes=("output_layer.",))
@@ -408,22 +406,13 @@ def tower_and_decoder_moved(rank: int, hf_dir: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megarl.engines.megatron.actor import ActorEngine
-    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
-    from megarl.models.bridge import ModelBridge, unwrap_model
+    from megarl.models.bridge import unwrap_model
     from megarl.models.hf_checkpoint import load_hf_weights
     from megarl.models.vision_language import VISION_PREFIX
 
     moved = {}
     for trainable in (False, True):
-        layout = ParallelLayout(tensor_parallel=2)
-        initialize_megatron_parallel(layout=layout, seed=11)
-        bridge = ModelBridge.from_hf_config(hf_dir, spec="local")
-        config = bridge.transformer_config(layout=layout, perform_initialization=False)
-
-        def provide(pre_process, post_process, vp_stage=None):
-            return bridge.build_model(config=config, pre_process=pre_process, post_process=post_process,
-                                      train_vision_tower=trainable)
-
+        bridge, config, provide = megatron_parts(hf_dir, 2, train_vision_tower=trainable)
         actor = ActorEngine(model_provider=provide, config=config, micro_batch_size=2,
                             optimizer_config=OptimizerConfig(lr=1e-2, clip_grad=0.0),
                             vocab_size=bridge.dims.vocab_size)
