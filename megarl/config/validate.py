@@ -330,6 +330,12 @@ def check_config(cfg: MegarlConfig) -> None:
     check_self_play(cfg)
     if alg.adv_estimator == "gae" and not cfg.critic.enable:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=false")
+    if t.critic_warmup < 0:
+        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {t.critic_warmup}")
+    if t.critic_warmup > 1 and not cfg.critic.enable:
+        raise ConfigError(f"trainer.critic_warmup={t.critic_warmup} holds the actor back while the critic "
+                          f"trains, and this run has no critic (algorithm.adv_estimator="
+                          f"{alg.adv_estimator!r}, critic.enable=false)")
     if (actor.policy_loss.loss_mode in ("vanilla", "ppo_clip", "dual_clip") and actor.clip_ratio_c is not None
             and actor.clip_ratio_c <= 1.0):
         raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c (the dual clip, on by default as in verl) must be "
@@ -440,12 +446,6 @@ def check_self_play(cfg: MegarlConfig) -> None:
                               "length, which splits DPO's pairs: leave it unset for SPIN")
         if actor.dpo_beta <= 0:
             raise ConfigError(f"actor_rollout_ref.actor.dpo_beta must be > 0, got {actor.dpo_beta}")
-    if cfg.trainer.critic_warmup < 0:
-        raise ConfigError(f"trainer.critic_warmup must be >= 0, got {cfg.trainer.critic_warmup}")
-    if cfg.trainer.critic_warmup > 1 and not cfg.critic.enable:
-        raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} holds the actor back while the critic "
-                          f"trains, and this run has no critic (algorithm.adv_estimator="
-                          f"{cfg.algorithm.adv_estimator!r}, critic.enable=false)")
     if cfg.trainer.ref_update_freq < 0:
         raise ConfigError(f"trainer.ref_update_freq must be >= 0 (0: never), got {cfg.trainer.ref_update_freq}")
     if cfg.trainer.ref_update_freq > 0 and model_lora(cfg.actor_rollout_ref.model) is not None:
