@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${STAGE:-"vllm whl verl"}
 PREPARE=${VLLM_PREPARE:-../shared/device/vllm_prepare.sh}
-touch .git/info/exclude
+mkdir -p .git/info && touch .git/info/exclude
 for dir in /.vstage/ /.whl/ /.verl/ /.dev/; do grep -qxF "$dir" .git/info/exclude || echo "$dir" >> .git/info/exclude; done
 # the box: CPython 3.12, x86_64, glibc 2.35
 PLATFORM="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_35_x86_64
