@@ -126,6 +126,18 @@ class MegatronConfig:
     dist_checkpointing_path: Optional[str] = None
     router_replay: RouterReplayConfig = field(default_factory=RouterReplayConfig)
 
+    def recompute_settings(self) -> dict[str, Any]:
+        """megatron's recompute fields for this role, as the engine builds them and the planner counts them:
+        ``override_transformer_config`` (verl's) over megarl's keys; full recompute without a grouping recomputes
+        every layer on its own (``uniform``, 1 layer)."""
+        given = self.override_transformer_config
+        granularity = given.get("recompute_granularity", self.recompute_granularity)
+        if granularity != "full":
+            return {"recompute_granularity": granularity} if granularity else {}
+        return {"recompute_granularity": "full",
+                "recompute_method": given.get("recompute_method") or self.recompute_method or "uniform",
+                "recompute_num_layers": int(given.get("recompute_num_layers") or self.recompute_num_layers or 1)}
+
 
 @dataclass
 class PolicyLossConfig:

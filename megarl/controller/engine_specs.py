@@ -78,13 +78,7 @@ def ddp_config(m: MegatronConfig):
 
 def transformer_overrides(m: MegatronConfig) -> dict:
     """megarl's TransformerConfig settings for a role, then ``override_transformer_config`` (verl's) over them."""
-    overrides = {"sequence_parallel": m.sequence_parallel}
-    granularity = m.override_transformer_config.get("recompute_granularity", m.recompute_granularity)
-    if granularity:
-        overrides.update(recompute_granularity=granularity)
-        if granularity == "full":
-            overrides.update(recompute_method=m.recompute_method or "uniform",
-                             recompute_num_layers=m.recompute_num_layers or 1)
+    overrides = {"sequence_parallel": m.sequence_parallel, **m.recompute_settings()}
     given = dict(m.override_transformer_config)
     if isinstance(given.get("attention_backend"), str):  # verl writes megatron's enum by name (flash, local, ...)
         from megatron.core.transformer.enums import AttnBackend

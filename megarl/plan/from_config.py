@@ -66,6 +66,7 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         print(f"megarl.plan: {note}")
     m = arr.actor.megatron
     optim_overrides = arr.actor.optim.override_optimizer_config
+    recompute = m.recompute_settings()  # what the engine builds (config.schema.MegatronConfig)
     layout = LayoutSpec(
         world_size=training_world_size(cfg),
         parallel=ParallelLayout.from_megatron_config(m),
@@ -75,11 +76,9 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         # megatron's optimizer_cpu_offload keeps a share of it there and steps it on the host
         optimizer_cpu_offload=bool(optim_overrides.get("optimizer_cpu_offload", False)),
         optimizer_offload_fraction=float(optim_overrides.get("optimizer_offload_fraction", 1.0)),
-        recompute=m.override_transformer_config.get("recompute_granularity") or m.recompute_granularity or "none",
-        # the engine's defaults when full recompute is asked without a grouping (controller/engine_specs.py)
-        recompute_method=m.override_transformer_config.get("recompute_method") or m.recompute_method or "uniform",
-        recompute_num_layers=int(m.override_transformer_config.get("recompute_num_layers")
-                                 or m.recompute_num_layers or 1),
+        recompute=recompute.get("recompute_granularity") or "none",
+        recompute_method=recompute.get("recompute_method", "uniform"),
+        recompute_num_layers=recompute.get("recompute_num_layers", 1),
         rollout_tp=arr.rollout.tensor_model_parallel_size,
         placement="colocated" if cfg.trainer.placement == "colocate" else "separate",
         rollout_gpus=cfg.trainer.rollout_gpus,
