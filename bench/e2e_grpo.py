@@ -67,21 +67,25 @@ def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int, special: Optio
 
 def vision_tokens_of(hf_cfg: dict) -> dict[str, int]:
     """A Qwen2.5-VL config's image tokens by name (what its processor and megarl's dataset look up)."""
-    return {"<|vision_start|>": hf_cfg["vision_start_token_id"], "<|vision_end|>": hf_cfg["vision_end_token_id"],
-            "<|image_pad|>": hf_cfg["image_token_id"], "<|video_pad|>": hf_cfg["video_token_id"]}
+    from megarl.data.tokenizer import VISION_TOKENS  # start, end, image pad, video pad
+
+    ids = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return {name: hf_cfg[key] for name, key in zip(VISION_TOKENS, ids, strict=True)}
 
 
 def write_vision_language_model(out: Path, hf_cfg: dict, image_size: int) -> None:
     """config.json in the published (flat) layout and the image processor's settings (Qwen2-VL's published ones, but
     at most ``image_size`` squared pixels: vLLM sizes its multimodal budget by the largest image the processor
     allows, which must fit the benchmark's short max_model_len); no weights: --random-init only."""
+    from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=1))
     vision = hf_cfg["vision_config"]
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Qwen2VLImageProcessor", "do_convert_rgb": True, "do_normalize": True,
         "do_rescale": True, "do_resize": True, "rescale_factor": 1 / 255, "resample": 3,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_mean": list(OPENAI_CLIP_MEAN), "image_std": list(OPENAI_CLIP_STD),
         "patch_size": vision["patch_size"], "merge_size": vision["spatial_merge_size"],
         "temporal_patch_size": vision["temporal_patch_size"], "min_pixels": 56 * 56, "max_pixels": image_size ** 2,
         "size": {"shortest_edge": 56 * 56, "longest_edge": image_size ** 2}}, indent=1))
