@@ -3,8 +3,9 @@
 Without Transformer Engine or Apex, megatron's local spec builds ``torch.nn.RMSNorm``, whose CUDA path is
 PyTorch's composite: upcast, square, mean, add, rsqrt, multiply, cast, multiply by the weight, each its own
 kernel over the whole activation, and about as many again in the backward. For a 1.5B model's packed update on
-an H200 the norms took ~11% of the GPU time (``docs/benchmarks.md``): megatron's norm weights are fp32 beside
-bf16 activations, and PyTorch's own fused kernel refuses mixed dtypes. :class:`FusedRMSNorm` computes the same
+an H200 the norms took ~11% of the GPU time (``docs/benchmarks.md``): the local spec made its norm weights fp32
+beside bf16 activations (megarl's engines now cast them to the model's dtype), and PyTorch's own fused kernel
+refused the mixed dtypes. :class:`FusedRMSNorm` computes the same
 formula (fp32 statistics, normalised value cast to the input's dtype, then times the weight, as PyTorch and HF's
 Qwen2/Llama norms do) through a torch.compile'd function; on CPU it calls PyTorch's ``rms_norm`` itself.
 
@@ -24,8 +25,8 @@ from megarl.models import compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     normalised = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    # megatron's local spec keeps the norm weights fp32 beside bf16 activations (WrappedTorchNorm passes no
-    # dtype): the output stays in the input's dtype, as PyTorch's rms_norm returns it
+    # the weight is the model's dtype (megarl's engines) or fp32 (megatron's local spec as built: WrappedTorchNorm
+    # passes no dtype); the output stays in the input's dtype either way, as PyTorch's rms_norm returns it
     return (normalised.type_as(x) * weight).type_as(x)
 
 

@@ -99,15 +99,14 @@ class MegatronEngine:
         self.rank_info = current_rank_info()
         if mpu.get_pipeline_model_parallel_world_size() > 1 and config.pipeline_dtype is None:
             config.pipeline_dtype = config.params_dtype
-        # megatron's CPU-offloaded optimizer (HybridDeviceOptimizer, precision-aware) cannot take the fp32 weights
-        # torch's norms make in a bf16 model (it is handed non-leaf views of them); megatron-LM never has any,
-        # since its Float16Module casts the whole model.
-        cpu_offload = getattr(optimizer_config, "optimizer_cpu_offload", False)
+        # Every weight in params_dtype, as megatron-LM's Float16Module (and Transformer Engine's norms), HF and
+        # vLLM hold a bf16 model: the local spec's torch norms would otherwise make fp32 weights in a bf16
+        # model, which megatron's optimizers mishandle (the plain bf16 optimizer's checkpoint maps optimizer
+        # state to the wrong parameters; the CPU-offloaded one is handed non-leaf views of them).
         with cuda_tensors_on_cpu():
             self.model = build_model_chunks(
                 model_provider=model_provider, config=config, ddp_config=ddp_config,
-                wrap_with_ddp=self.trainable, chunk_hook=chunk_hook,
-                one_dtype=config.params_dtype if cpu_offload else None, lora=lora,
+                wrap_with_ddp=self.trainable, chunk_hook=chunk_hook, one_dtype=config.params_dtype, lora=lora,
             )
         self.image_tokens = image_tokens_of(self.model[0])  # a vision-language model's, else None
         self.routing = None

@@ -267,3 +267,41 @@ def _world_dp2_distributed_optimizer_resume(rank, root):
 def test_distributed_optimizer_checkpoint_resume_is_exact(tmp_path):
     for continued, resumed in run_distributed(_world_dp2_distributed_optimizer_resume, 2, str(tmp_path)):
         _assert_history_close(resumed, continued)
+
+
+def _world_bf16_resume(rank, root):
+    import dataclasses
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megarl.engines.megatron.actor import ActorEngine
+    from megarl.engines.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from tests.distributed.engines.megatron.tiny_setup import gpt_provider, tiny_config
+
+    _setup()
+
+    def build():
+        config = dataclasses.replace(tiny_config(), bf16=True, params_dtype=torch.bfloat16)
+        return ActorEngine(model_provider=gpt_provider(config), config=config,
+                           optimizer_config=OptimizerConfig(lr=2e-3, clip_grad=1.0, bf16=True), micro_batch_size=2)
+
+    batch = _batch()
+    actor = build()
+    dtypes = {name: param.dtype for name, param in actor.model[0].named_parameters()}
+    _train(actor, batch, steps=2)
+    save_checkpoint(actor, os.path.join(root, "bf16"), step=2)
+    continued = [actor.update_policy(batch, **UPDATE) for _ in range(2)]
+    fresh = build()
+    load_checkpoint(fresh, os.path.join(root, "bf16"))
+    resumed = [fresh.update_policy(batch, **UPDATE) for _ in range(2)]
+    return dtypes, continued, resumed
+
+
+def test_bf16_model_with_the_plain_optimizer_checkpoints_and_resumes_exactly(tmp_path):
+    """megatron's bf16 optimizer (fp32 main copies, not distributed) maps its state to the model's parameters by
+    their order among the bf16 ones: an fp32 weight in the model (the local spec's torch norms make them) shifts
+    that map, and the save failed on the GPU. Every weight is in the model's dtype, and a resume continues the
+    run."""
+    ((dtypes, continued, resumed),) = run_distributed(_world_bf16_resume, 1, str(tmp_path))
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
+    _assert_history_close(resumed, continued)
