@@ -7,7 +7,13 @@ allocated memory instead read 88 GB on an 85.9 GB card). The device-wide count
 (every allocator and process) is the base because PyTorch's own counters cannot be: vLLM's sleep-mode pool
 hands out tensors that stay "allocated" while asleep (their pages are unmapped), so an allocator peak would
 count a sleeping KV cache as used. ``memory/<phase>/device_used_gb`` is the device-wide use when the phase
-ended. On CPU nothing is recorded. Leaves out: host memory, other processes' growth during a phase.
+ended. On CPU no device figure is recorded.
+
+``memory/<phase>/host_peak_gb`` is the most host memory this worker process held resident during the phase
+(Linux's VmHWM, reset at the phase's start through /proc/self/clear_refs): the host share of an offloaded
+optimizer, parked weights and pinned buffers, plus the process itself (Python, torch, the CUDA context, an
+in-process rollout engine). Recorded on any device where Linux offers the reset. Phases do not nest (each
+resets the process's high-water mark). Leaves out: other processes, on the device or the host.
 """
 
 from __future__ import annotations
@@ -22,24 +28,28 @@ _GB = 1e9
 
 class PhaseMemory:
     def __init__(self, device: str):
-        self.enabled = device == "cuda" and torch.cuda.is_available()
+        self.device_enabled = device == "cuda" and torch.cuda.is_available()
+        self.host_enabled = _host_peak_resettable()
         self.peaks: dict[str, float] = {}
 
     @contextlib.contextmanager
     def track(self, phase: str) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        torch.cuda.reset_peak_memory_stats()
-        reserved_at_start = torch.cuda.memory_reserved()
-        used_at_start = _device_used()
+        if self.host_enabled:
+            _reset_host_peak()
+        if self.device_enabled:
+            torch.cuda.reset_peak_memory_stats()
+            reserved_at_start = torch.cuda.memory_reserved()
+            used_at_start = _device_used()
         try:
             yield
         finally:
-            used_at_end = _device_used()
-            growth = max(0, torch.cuda.max_memory_reserved() - reserved_at_start)
-            self.peaks[f"memory/{phase}/peak_gb"] = max(used_at_start + growth, used_at_end) / _GB
-            self.peaks[f"memory/{phase}/device_used_gb"] = used_at_end / _GB
+            if self.device_enabled:
+                used_at_end = _device_used()
+                growth = max(0, torch.cuda.max_memory_reserved() - reserved_at_start)
+                self.peaks[f"memory/{phase}/peak_gb"] = max(used_at_start + growth, used_at_end) / _GB
+                self.peaks[f"memory/{phase}/device_used_gb"] = used_at_end / _GB
+            if self.host_enabled:
+                self.peaks[f"memory/{phase}/host_peak_gb"] = host_peak_bytes() / _GB
 
     def as_metrics(self) -> dict[str, float]:
         """What was recorded since the last call (then forgotten: one step's phases at a time)."""
@@ -50,3 +60,31 @@ class PhaseMemory:
 def _device_used() -> int:
     free, total = torch.cuda.mem_get_info()
     return total - free
+
+
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _host_peak_resettable() -> bool:
+    try:
+        _reset_host_peak()
+        host_peak_bytes()
+    except (OSError, ValueError):  # not Linux, or /proc without the peak-RSS reset (kernels before 4.0)
+        return False
+    return True
+
+
+def _reset_host_peak() -> None:
+    """Set this process's resident high-water mark (VmHWM) to its resident size now."""
+    with open(_CLEAR_REFS, "w") as f:
+        f.write("5")
+
+
+def host_peak_bytes() -> int:
+    """The most memory this process has held resident since it started or since the last reset."""
+    with open(_STATUS) as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise ValueError(f"{_STATUS} has no VmHWM line")
