@@ -13,7 +13,7 @@ from megarl.run_config import load_config
 from megarl.trainer.memory_check import memory_plan_errors
 from tests.paths import REPO
 
-MEASURED = REPO / "docs" / "device_results" / "e2e_grpo_7b_h100_2026-12-06.json"
+MEASURED = REPO / "docs" / "device_results" / "e2e_grpo_7b_h100_2026-12-07.json"
 H100_GIB = 85_520_809_984 / GIB  # torch's total_memory of the card the run had
 A = "actor_rollout_ref.actor"
 # bench/run_device.sh big on the H100 (docs/benchmarks.md, "7B on one GPU"), as run-config overrides
