@@ -41,6 +41,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from megarl.controller.debugging import break_requested, sits_at_breakpoint
 from megarl.controller.device_oom import DeviceOutOfMemory, naming_out_of_memory
+from megarl.controller.host_oom import HostOutOfMemory, is_host_out_of_memory
 from megarl.controller.profiling import stage_range
 from megarl.controller.dispatch import (
     DP_INFO_METHOD,
@@ -403,15 +404,21 @@ class RankCaller:
         peer_death = self._peer_death(failures)
         if peer_death is not None:
             return peer_death.as_error(self, method, failures)
+        # A rank killed for the node's memory, or out of device memory, makes its peers' collectives fail too:
+        # it is the cause, not they.
+        host_out_of_memory = [rank for rank, err in failures.items() if is_host_out_of_memory(err)]
         died = [rank for rank, err in failures.items() if isinstance(err, RayActorError)]
-        # A rank out of device memory makes its peers' collectives fail too: it is the cause, not they.
         out_of_memory = [rank for rank, err in failures.items()
                          if isinstance(err, RayTaskError) and isinstance(err.cause, DeviceOutOfMemory)]
-        primary = min(died or out_of_memory or failures)
+        primary = min(host_out_of_memory or died or out_of_memory or failures)
         err = failures[primary]
-        if isinstance(err, RayActorError):
+        cause: BaseException | None
+        if is_host_out_of_memory(err):
+            cause = HostOutOfMemory.from_ray(err, method, primary)
+            detail = str(cause)
+        elif isinstance(err, RayActorError):
             detail = f"the worker process died ({type(err).__name__}): {err}"
-            cause: BaseException | None = err
+            cause = err
         elif isinstance(err, RayTaskError):
             cause = err.cause if isinstance(err.cause, BaseException) else err
             # str() of Ray's task error carries the remote traceback.
@@ -423,7 +430,7 @@ class RankCaller:
             summaries = [f"rank {rank}: {self._summarize(failures[rank])}" for rank in others]
             detail += "\nalso failed (likely as a consequence): " + "; ".join(summaries)
         still_running = sorted(rank for ref, rank in pending.items() if ref not in late)
-        if died or still_running:
+        if died or host_out_of_memory or still_running:
             # Survivors may sit in a collective forever and the world lost a member: unusable from now on.
             self._broken = f"{method}() failed on rank {primary}"
         # Otherwise every rank finished the call (some raised): the world is intact and the group usable.
