@@ -414,7 +414,8 @@ class RankCaller:
         err = failures[primary]
         cause: BaseException | None
         if is_host_out_of_memory(err):
-            cause = HostOutOfMemory.from_ray(err, method, primary)
+            phase = "construct" if method.endswith(".__init__") else method  # the worker's construction
+            cause = HostOutOfMemory.from_ray(err, phase, primary)
             detail = str(cause)
         elif isinstance(err, RayActorError):
             detail = f"the worker process died ({type(err).__name__}): {err}"
