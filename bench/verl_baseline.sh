@@ -9,6 +9,10 @@
 # 7B on one GPU as verl's docs run it (FSDP parameter and optimizer offload, gradient checkpointing), on
 # bench/run_device.sh big's workload (`e2e_grpo --shape 7b --prepare-only` first: verl reads weights from disk):
 #   SHAPE=7b PROMPTS=16 PROMPT_LEN=256 RESPONSE_LEN=512 OFFLOAD=true UTIL=0.6 TRAIN_TOKENS=8192 bash bench/verl_baseline.sh
+# On one H100 80 GB + 125 GB host verl cannot run the 7B full-parameter workload (2026-12-07: FSDP's optimizer
+# step OOMs on the GPU, FSDP2's offload_policy OOMs the host; docs/benchmarks.md); on an H200 try it with
+#   VERL_EXTRA="..." extra verl overrides (e.g. "actor_rollout_ref.actor.strategy=fsdp2
+#   actor_rollout_ref.actor.fsdp_config.offload_policy=true"), TAG=_fsdp2 a suffix of the log's name.
 # LORA_RANK=32 (LORA_ALPHA, default 64): verl's LoRA GRPO on all linear layers, against bench/run_device.sh lora's
 # MERGE=true run (verl's FSDP LoRA syncs the merged weights into vLLM too).
 set -uo pipefail
@@ -75,7 +79,7 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${LOGPROB_TOKENS:-32768}" ++actor_rollout_ref.rollout.ignore_eos=true \
   trainer.logger='["console"]' trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps="${STEPS:-4}" \
   trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false trainer.project_name=verl_baseline trainer.use_v1=false \
-  trainer.experiment_name="$SHAPE" > "$OUT/verl_$SHAPE.log" 2>&1
+  trainer.experiment_name="$SHAPE" ${VERL_EXTRA:-} > "$OUT/verl_$SHAPE${TAG:-}.log" 2>&1
 rc=$?
 echo "verl rc=$rc"
 grep -E "step:|timing_s/(gen|old_log_prob|update_actor|update_weights|step)|perf/throughput" "$OUT/verl_$SHAPE.log" | tail -20
