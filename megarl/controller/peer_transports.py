@@ -12,6 +12,8 @@ import threading
 from megarl.controller.rollout_worker import WeightReceiver
 from megarl.weight_sync.transport import WeightTransport
 
+PEER_FAILURE_GRACE_S = 10.0  # how long Ray may take to report a receiver's death after its collective broke
+
 
 class _RolloutPeersTransport(WeightTransport):
     """Buckets from training rank 0 to the separate rollout workers; ``finish`` resets their caches."""
@@ -50,7 +52,15 @@ class BroadcastTransport(_RolloutPeersTransport):
         work = start_broadcast(self.group, buffer)
         receiving.wait_until(work.is_completed, timeout_s=self.timeout_s,
                              what=f"weight broadcast of {len(layout)} tensors")
-        work.wait()
+        try:
+            work.wait()
+        except Exception as collective_error:
+            # a receiver's death reaches the broadcast (connection closed) before Ray reports it: wait a moment
+            # for the receivers' call, whose failure names the worker
+            peer_failure = receiving.failure_within(PEER_FAILURE_GRACE_S)
+            if peer_failure is not None:
+                raise peer_failure from collective_error
+            raise
         receiving.get(timeout_s=self.timeout_s)
 
 

@@ -203,6 +203,21 @@ class PendingCall:
         return collect_results(self.spec.collect, results, layout=self.layout,
                                method_name=f"{self.group.name}.{self.method}")
 
+    def failure_within(self, seconds: float) -> "WorkerError | None":
+        """This call's failure, if one of its ranks fails or dies within ``seconds``; None if none does. For a
+        collective that failed under these ranks (gloo: "connection closed"): the collective can learn of a
+        dead rank before Ray does, and the death, not the collective's error, names the worker."""
+        ready, waiting = ray.wait(self.refs, num_returns=len(self.refs), timeout=seconds)
+        failures: dict[int, RayError] = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as err:
+                failures[self.refs.index(ref)] = err
+        if not failures:
+            return None
+        return self.group._fail(self.method, failures, {ref: self.refs.index(ref) for ref in waiting})
+
     def wait_until(self, is_done: Callable[[], bool], *, what: str, timeout_s: float | None = GROUP_DEFAULT) -> None:
         """Wait until ``is_done()`` (a collective these ranks take part in, say), raising the first failure of
         this call's ranks meanwhile: a rank that failed or died never joins the collective, so its error is the
