@@ -181,6 +181,23 @@ def _local_device_index(info: dict[str, Any]) -> int:
     return int(gpu)
 
 
+def _settle(pending: dict[ray.ObjectRef, int], timeout_s: float) -> tuple[dict[int, Any], dict[int, RayError]]:
+    """Wait up to ``timeout_s`` for the calls in ``pending`` (ref -> rank) and take the finished ones out of it:
+    their ranks' results, and the ranks whose call raised or whose process died, with Ray's error."""
+    results: dict[int, Any] = {}
+    failures: dict[int, RayError] = {}
+    if not pending:
+        return results, failures
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    for ref in ready:
+        rank = pending.pop(ref)
+        try:
+            results[rank] = ray.get(ref)
+        except RayError as err:
+            failures[rank] = err
+    return results, failures
+
+
 class PendingCall:
     """A call in flight on every rank of a group; `get()` waits (never forever unless asked) and collects."""
 
@@ -207,16 +224,9 @@ class PendingCall:
         """This call's failure, if one of its ranks fails or dies within ``seconds``; None if none does. For a
         collective that failed under these ranks (gloo: "connection closed"): the collective can learn of a
         dead rank before Ray does, and the death, not the collective's error, names the worker."""
-        ready, waiting = ray.wait(self.refs, num_returns=len(self.refs), timeout=seconds)
-        failures: dict[int, RayError] = {}
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except RayError as err:
-                failures[self.refs.index(ref)] = err
-        if not failures:
-            return None
-        return self.group._fail(self.method, failures, {ref: self.refs.index(ref) for ref in waiting})
+        pending = {ref: rank for rank, ref in enumerate(self.refs)}
+        _, failures = _settle(pending, seconds)
+        return self.group._fail(self.method, failures, pending) if failures else None
 
     def wait_until(self, is_done: Callable[[], bool], *, what: str, timeout_s: float | None = GROUP_DEFAULT) -> None:
         """Wait until ``is_done()`` (a collective these ranks take part in, say), raising the first failure of
@@ -226,14 +236,7 @@ class PendingCall:
         deadline = None if limit is None else time.monotonic() + limit
         pending = {ref: rank for rank, ref in enumerate(self.refs)}
         while not is_done():
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.05)
-            failures: dict[int, RayError] = {}
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    ray.get(ref)
-                except RayError as err:
-                    failures[rank] = err
+            _, failures = _settle(pending, 0.05)
             if failures:
                 raise self.group._fail(self.method, failures, pending)
             if deadline is not None and time.monotonic() > deadline:
@@ -379,14 +382,8 @@ class RankCaller:
             wait_s = self.poll_interval_s
             if deadline is not None:
                 wait_s = max(0.0, min(wait_s, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=wait_s)
-            failures: dict[int, RayError] = {}
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except RayError as err:
-                    failures[rank] = err
+            finished, failures = _settle(pending, wait_s)
+            results.update(finished)
             if failures:
                 raise self._fail(method, failures, pending)
             if pending and deadline is not None and time.monotonic() >= deadline:
@@ -405,17 +402,10 @@ class RankCaller:
         """Build the WorkerError for a failed call, naming the root cause rank.
 
         A dead process makes its peers' collectives fail a moment later (gloo: connection closed), so after the
-        first failure we wait `grace_s` for the other ranks and report a died rank first when there is one, then
-        a rank out of device memory; the other failures are listed in the message.
+        first failure we wait `grace_s` for the other ranks and report first a rank killed for the node's memory,
+        then a died rank, then a rank out of device memory; the other failures are listed in the message.
         """
-        late: list[ray.ObjectRef] = []
-        if pending:
-            late, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
-            for ref in late:
-                try:
-                    ray.get(ref)
-                except RayError as err:
-                    failures[pending[ref]] = err
+        failures.update(_settle(pending, grace_s)[1])  # the ranks still running are left in pending
         peer_death = self._peer_death(failures)
         if peer_death is not None:
             return peer_death.as_error(self, method, failures)
@@ -445,7 +435,7 @@ class RankCaller:
         if others:
             summaries = [f"rank {rank}: {self._summarize(failures[rank])}" for rank in others]
             detail += "\nalso failed (likely as a consequence): " + "; ".join(summaries)
-        still_running = sorted(rank for ref, rank in pending.items() if ref not in late)
+        still_running = sorted(pending.values())
         if died or host_out_of_memory or still_running:
             # Survivors may sit in a collective forever and the world lost a member: unusable from now on.
             self._broken = f"{method}() failed on rank {primary}"

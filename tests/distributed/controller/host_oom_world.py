@@ -3,6 +3,7 @@ use at start, a 2-rank gloo group, and rank 1 eating host memory in ``update_act
 collective. Prints the WorkerError's fields as JSON."""
 
 import json
+import os
 import sys
 import time
 
@@ -31,8 +32,6 @@ class EatingWorker:
         return dist.get_rank()
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
