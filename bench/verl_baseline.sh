@@ -17,6 +17,7 @@
 # MERGE=true run (verl's FSDP LoRA syncs the merged weights into vLLM too).
 set -uo pipefail
 SHAPE=${SHAPE:-0.5b}; WORK=/tmp/megarl_e2e/$SHAPE; OUT=${OUT:-/tmp}; VERL_WHEELS=${VERL_WHEELS:-.verl}
+LOG="$OUT/verl_$SHAPE${TAG:-}.log"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/verl_site "$VERL_WHEELS"/*.whl || exit 1
 export PYTHONPATH=/tmp/verl_site:$PYTHONPATH PYTHONUNBUFFERED=1
 # verl applies a chat template: give the tokenizer one that passes the prompt through unchanged, so verl sees the
@@ -79,8 +80,8 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${LOGPROB_TOKENS:-32768}" ++actor_rollout_ref.rollout.ignore_eos=true \
   trainer.logger='["console"]' trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps="${STEPS:-4}" \
   trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false trainer.project_name=verl_baseline trainer.use_v1=false \
-  trainer.experiment_name="$SHAPE" ${VERL_EXTRA:-} > "$OUT/verl_$SHAPE${TAG:-}.log" 2>&1
+  trainer.experiment_name="$SHAPE" ${VERL_EXTRA:-} > "$LOG" 2>&1
 rc=$?
 echo "verl rc=$rc"
-grep -E "step:|timing_s/(gen|old_log_prob|update_actor|update_weights|step)|perf/throughput" "$OUT/verl_$SHAPE.log" | tail -20
-[ $rc = 0 ] || tail -40 "$OUT/verl_$SHAPE.log"
+grep -E "step:|timing_s/(gen|old_log_prob|update_actor|update_weights|step)|perf/throughput" "$LOG" | tail -20
+[ $rc = 0 ] || tail -40 "$LOG"
