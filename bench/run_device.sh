@@ -16,7 +16,8 @@
 #  token-level TIS, same seed: the rewards and the rollout-vs-trainer mismatch of each in fp8curve_<quant>.jsonl)
 # (lora: the LoRA GPU tests, then LoRA GRPO --random-init at $MODELS (default 14b / 32b by card), MERGE=true|false)
 # (vllm, e2e: need vLLM and Ray, carried as ../shared/device/README.md says; vllm: the vLLM GPU tests and the
-#  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS)
+#  tiny GRPO run through Ray + vLLM with checkpoints; e2e: bench/e2e_grpo.py for $MODELS, with SGLang's rollout
+#  `EXTRA=actor_rollout_ref.rollout.name=sglang TAG=_sglang` after sourcing the SGLang stage (docs/sglang.md))
 # (attn: the SDPA core attention and TP=1 log-prob re-measurement; train + logprob + the CUDA SDPA test)
 # (pack: the CUDA packing tests, then packed token-budget training on RL-like lengths for $MODELS, default
 #  1.5b; FUSIONS=off,on also runs megatron's torch.compile'd SwiGLU/bias-dropout-add)
@@ -86,7 +87,7 @@ elif [ "$MODE" = e2e ]; then  # bench/e2e_grpo.py for $MODELS (default 0.5b), vL
   for model in $(echo "${MODELS:-0.5b}" | tr , ' '); do
     step "e2e_$model" timeout "${E2E_TIMEOUT:-540}" python3 -m bench.e2e_grpo --shape "$model" --prompts "${PROMPTS:-64}" \
       --n 8 --prompt-len 512 --response-len "${RESPONSE_LEN:-1024}" --steps "${STEPS:-4}" ${GEN_ALONE:+--gen-alone} \
-      --out "$OUT/e2e_$model.json"
+      --out "$OUT/e2e_$model${TAG:-}.json" ${EXTRA:-}
   done
 elif [ "$MODE" = big ] || [ "$MODE" = moe ]; then  # GRPO at $MODELS (default 7b) on one GPU, random init (no weights on disk)
   # The optimizer's fp32 state lives on the host in part (megatron's HybridDeviceOptimizer), sized to the card:

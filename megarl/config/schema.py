@@ -221,7 +221,7 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "vllm"  # vllm | hf (the CPU demo's and debugging engine)
+    name: str = "vllm"  # vllm | sglang (GPU only) | hf (the CPU demo's and debugging engine)
     n: int = 8
     temperature: float = 1.0
     top_p: float = 1.0

@@ -265,7 +265,8 @@ def check_config(cfg: MegarlConfig) -> None:
 
     check_choice(alg.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     check_choice(actor.optim.lr_decay_style, ("constant", "cosine", "linear"), "actor_rollout_ref.actor.optim.lr_decay_style")
-    check_choice(rollout.name, ("hf", "vllm"), "actor_rollout_ref.rollout.name")
+    check_choice(rollout.name, ("hf", "vllm", "sglang"), "actor_rollout_ref.rollout.name")
+    _check_sglang_rollout(cfg)
     check_choice(rollout.load_format, ("auto", "dummy"), "actor_rollout_ref.rollout.load_format")
     check_choice(rollout.quantization, (None, "fp8"), "actor_rollout_ref.rollout.quantization")
     if rollout.quantization is not None and rollout.name != "vllm":
@@ -383,6 +384,26 @@ def check_config(cfg: MegarlConfig) -> None:
         )
     if t.save_freq == 0 or t.test_freq == 0:
         raise ConfigError("trainer.save_freq and trainer.test_freq must be positive or -1 (never)")
+
+
+def _check_sglang_rollout(cfg: MegarlConfig) -> None:
+    """What megarl's SGLang engine leaves out (megarl/engines/rollout/sglang_engine.py), refused at start-up."""
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    if rollout.name != "sglang":
+        return
+    lora = model_lora(arr.model)
+    refused = {
+        "actor_rollout_ref.rollout.stop": (bool(rollout.stop), "stop strings need a tokenizer in the engine; use "
+                                           "stop_token_ids"),
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay": (
+            rollout.enable_rollout_routing_replay, "the experts an MoE model routed to come from vLLM"),
+        "actor_rollout_ref.model.lora.merge": (lora is not None and lora.merge is False,
+                                               "a served LoRA adapter is vLLM's; merge: true syncs merged weights"),
+    }
+    for key, (set_, why) in refused.items():
+        if set_:
+            raise ConfigError(f"{key} is not supported with actor_rollout_ref.rollout.name=sglang: {why}")
 
 
 def _check_router_replay(cfg: MegarlConfig) -> None:

@@ -32,21 +32,23 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
     """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
     replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
     :func:`check_rollout_tensor_parallel`. vLLM runs in this process (its engine core too), so weight
-    buckets reach it as device tensors; colocated on a GPU it is built with sleep mode, to hand the
-    device to training between rollouts (``rollout.free_cache_engine``). ``adapter_rank``: the engine serves a
-    LoRA adapter of that rank (vLLM's LoRA; the HF engine needs nothing to serve one)."""
+    buckets reach it as device tensors; SGLang runs its scheduler in a process of its own and maps them by CUDA
+    IPC. Colocated on a GPU either is built with sleep mode, to hand the device to training between rollouts
+    (``rollout.free_cache_engine``). ``adapter_rank``: the engine serves a LoRA adapter of that rank (vLLM's
+    LoRA; the HF engine needs nothing to serve one)."""
     from megarl.engines.rollout.factory import build_rollout_engine
 
     rollout = cfg.actor_rollout_ref.rollout
     engine_kwargs = {"dtype": DTYPES[rollout.dtype], "load_format": rollout.load_format}
-    if rollout.name == "vllm":
+    if rollout.name in ("vllm", "sglang"):  # the production engines: sized, seeded and put to sleep alike
         engine_kwargs.update(gpu_memory_utilization=rollout.gpu_memory_utilization,
                              enforce_eager=rollout.enforce_eager,
                              max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                             seed=cfg.trainer.seed + seed_offset, in_process=True,
-                             tensor_parallel_size=rollout.tensor_model_parallel_size,
+                             seed=cfg.trainer.seed + seed_offset,
                              local_device_index=local_device_index if device == "cuda" else None,
                              enable_sleep_mode=colocated and device == "cuda" and rollout.free_cache_engine)
+    if rollout.name == "vllm":  # its engine core runs in this process: weight buckets reach it as device tensors
+        engine_kwargs.update(in_process=True, tensor_parallel_size=rollout.tensor_model_parallel_size)
         if rollout.kv_cache_memory_mb:
             engine_kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb * 2**20
         if adapter_rank:

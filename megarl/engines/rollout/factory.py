@@ -1,5 +1,5 @@
 """Build a rollout engine by name; the backends are imported only when asked for (the HF engine never
-imports vLLM)."""
+imports vLLM or SGLang)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from megarl.engines.rollout.base import RolloutEngine
 
 
 def build_rollout_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
-    """Construct the engine called `name` ("hf" or "vllm") for the HF checkpoint directory `model_path`."""
+    """Construct the engine called `name` ("hf", "vllm" or "sglang") for the HF checkpoint directory `model_path`."""
     if name == "hf":
         from megarl.engines.rollout.hf_engine import HFRolloutEngine
 
@@ -16,4 +16,8 @@ def build_rollout_engine(name: str, model_path: str, **kwargs) -> RolloutEngine:
         from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
 
         return VLLMRolloutEngine(model_path, **kwargs)
-    raise ValueError(f"unknown rollout engine {name!r}; expected 'hf' or 'vllm'")
+    if name == "sglang":
+        from megarl.engines.rollout.sglang_engine import SGLangRolloutEngine
+
+        return SGLangRolloutEngine(model_path, **kwargs)
+    raise ValueError(f"unknown rollout engine {name!r}; expected 'hf', 'vllm' or 'sglang'")

@@ -56,6 +56,7 @@ from megarl.engines.rollout import vllm_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
                                          validate_prompts)
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
+from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
 
 logger = logging.getLogger(__name__)
 _LORA_ID = 1  # the one adapter an engine serves
@@ -73,35 +74,6 @@ def _check_image_processing_installed(model_path: str) -> None:
             f"{' and '.join(missing)}, not installed here (transformers' Qwen2-VL image processor is built on "
             "torchvision; vLLM hashes images with blake3 unless VLLM_MM_HASHER_ALGORITHM=sha256); install "
             f"{'them' if len(missing) > 1 else 'it'} or generate with the HF engine (actor_rollout_ref.rollout.name=hf)")
-
-
-def read_checkpoint_shapes(model_path: str, *, weights_on_disk: bool = True) -> dict[str, tuple[int, ...]]:
-    """HF tensor names -> shapes from the safetensors headers in `model_path` (no tensor data is read); with
-    ``weights_on_disk=False`` (random weights, ``load_format=dummy``) and no safetensors there, the names and
-    shapes of the HF model the config describes, built on the meta device (no memory)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files and not weights_on_disk:
-        import torch
-        from transformers import AutoConfig
-
-        from megarl.models.hf_config import as_checkpoint_names, auto_model_class
-
-        config = AutoConfig.from_pretrained(model_path)
-        with torch.device("meta"):
-            model = auto_model_class(config).from_config(config)
-        state = as_checkpoint_names(model, model.state_dict())  # the sync sends the checkpoint's names
-        return {name: tuple(param.shape) for name, param in state.items()
-                if not (name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))}
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in model dir {model_path!r}")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
 
 
 def _unique_cpu_shm_names() -> None:
@@ -192,10 +164,8 @@ class VLLMRolloutEngine(RolloutEngine):
         config = json.loads((Path(model_path) / "config.json").read_text())
         text = config.get("text_config") or config  # a vision-language model's decoder sizes are its text model's
         self.vocab_size = int(text["vocab_size"])
-        # Trainers export the tied head too; vLLM's loader ignores `lm_head.weight` for tied models, so
-        # it is accepted as an alias of the embedding (see update_weights).
         tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
-        self._tied = bool(tied) and "lm_head.weight" not in self._checkpoint_shapes
+        self._session = WeightUpdateSession(type(self).__name__, self._checkpoint_shapes, tied=bool(tied))
 
         from vllm.platforms import current_platform
 
@@ -250,8 +220,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.in_process = vllm_compat.engine_core_in_process(self.llm)
         if in_process and not self.in_process:
             raise RuntimeError("VLLMRolloutEngine: asked for an in-process engine core, vLLM started its own process")
-        self._update_open = False
-        self._session_names: set[str] = set()
+        self._update_open = False  # megarl_start_weight_update ran in the workers, finish not yet
         self._memory = "awake"  # awake | asleep (weights and KV cache freed) | weights_only (KV cache freed)
         self._weights_discarded = False  # by sleep(discard_weights=True), until a weight update finishes
 
@@ -360,24 +329,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if self._memory == "asleep":
             raise RuntimeError("VLLMRolloutEngine.update_weights called while asleep; call wake_up() first "
                                "(wake_up(weights_only=True) is enough)")
-        bucket = []
-        for name, tensor in named_tensors:
-            if self._tied and name == "lm_head.weight":
-                name = "model.embed_tokens.weight"
-                if name in self._session_names:
-                    continue  # the alias of an embedding already sent in this session
-            elif self._tied and name == "model.embed_tokens.weight" and name in self._session_names:
-                continue  # sent earlier under its alias lm_head.weight
-            expected = self._checkpoint_shapes.get(name)
-            if expected is None:
-                raise KeyError(f"VLLMRolloutEngine.update_weights: unknown parameter name {name!r}")
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"VLLMRolloutEngine.update_weights: shape mismatch for {name!r}: got "
-                                 f"{tuple(tensor.shape)}, checkpoint has {expected}")
-            if name in self._session_names or any(name == other for other, _ in bucket):
-                raise ValueError(f"VLLMRolloutEngine.update_weights: {name!r} sent twice in one weight update")
-            bucket.append((name, tensor))
-        if not self._update_open:
+        bucket = self._session.admit(named_tensors)
+        if not self._update_open:  # the first bucket of a session
             modes = set(self.llm.collective_rpc("megarl_start_weight_update", args=(self.weight_reload,)))
             if len(modes) != 1:  # the ranks of one engine hold the same model: they must agree
                 raise RuntimeError(f"VLLMRolloutEngine: the engine's ranks chose different reload modes {modes}")
@@ -391,7 +344,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 self.llm.collective_rpc("megarl_load_weights", args=(bucket,))
             else:
                 self.llm.collective_rpc("megarl_load_weight_blob", args=(encode_bucket(bucket),))
-            self._session_names.update(name for name, _ in bucket)
+            self._session.loaded(bucket)
 
     def _lora_request(self):
         if not self._adapter_loaded:
@@ -421,16 +374,10 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def finish_weight_update(self) -> None:
         """Finalize the reload and reset the prefix cache; refuses (session stays open) if tensors are missing."""
-        if not self._update_open:
-            raise RuntimeError("VLLMRolloutEngine.finish_weight_update called without a preceding update_weights")
-        missing = sorted(set(self._checkpoint_shapes) - self._session_names)
-        if missing:
-            raise RuntimeError(
-                f"VLLMRolloutEngine.finish_weight_update: the session lacks {len(missing)} checkpoint tensors "
-                f"(e.g. {missing[:3]}); send them with update_weights and call finish_weight_update again")
+        self._session.check_complete()
         self.llm.collective_rpc("megarl_finish_weight_update")
         self._update_open = False
-        self._session_names.clear()
+        self._session.close()
         self._weights_discarded = False
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")

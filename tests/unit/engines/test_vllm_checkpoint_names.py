@@ -16,7 +16,7 @@ def test_the_names_without_weights_are_those_a_checkpoint_holds(tmp_path, shape)
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megarl.engines.rollout.vllm_engine import read_checkpoint_shapes
+    from megarl.engines.rollout.weight_session import read_checkpoint_shapes
 
     config = AutoConfig.for_model(**model_config(shape, torch_dtype="float32"))
     config.save_pretrained(tmp_path / "config_only")

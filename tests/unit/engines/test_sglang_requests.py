@@ -1,0 +1,97 @@
+"""The CPU-testable parts of megarl's SGLang engine (SGLang itself runs on the GPU box only, tests/gpu/
+test_sglang_cuda.py): the requests it builds from megarl's sampling settings, how SGLang's finished requests read
+back, its start-up arguments, and what the config refuses with rollout.name=sglang."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.engines.rollout import sglang_compat
+from megarl.engines.rollout.base import SamplingConfig
+from megarl.engines.rollout.sglang_engine import convert_outputs, request_sampling_params
+
+
+def test_n_samples_are_n_requests_seeded_like_the_vllm_engine():
+    params = request_sampling_params(SamplingConfig(n=3, seed=10, max_tokens=7, temperature=0.8), num_prompts=2)
+    assert [p["sampling_seed"] for p in params] == [10, 11, 12, 13, 14, 15]
+    assert all(p["max_new_tokens"] == 7 and p["temperature"] == 0.8 and p["no_stop_trim"] for p in params)
+    per_prompt = request_sampling_params(SamplingConfig(n=2, prompt_seeds=(100, 7)), num_prompts=2)
+    assert [p["sampling_seed"] for p in per_prompt] == [100, 101, 7, 8]
+    unseeded = request_sampling_params(SamplingConfig(n=2, stop_token_ids=(5,)), num_prompts=1)
+    assert all("sampling_seed" not in p and p["stop_token_ids"] == [5] for p in unseeded)
+
+
+def test_what_the_token_id_engine_cannot_honour_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match="stop strings"):
+        request_sampling_params(SamplingConfig(stop=("###",)), num_prompts=1)
+    with pytest.raises(NotImplementedError, match="top_p=0.9"):
+        request_sampling_params(SamplingConfig(top_p=0.9, logprobs=True), num_prompts=1)
+    # without log-probs the filters are SGLang's to apply; greedy log-probs are the plain log-softmax
+    assert request_sampling_params(SamplingConfig(top_k=20), num_prompts=1)[0]["top_k"] == 20
+    request_sampling_params(SamplingConfig(temperature=0.0, top_k=5, logprobs=True), num_prompts=1)
+
+
+def result(ids, reason, logprobs=None):
+    meta = {"finish_reason": reason}
+    if logprobs is not None:
+        meta["output_token_logprobs"] = logprobs
+    return {"output_ids": ids, "meta_info": meta}
+
+
+def test_finished_requests_read_back_grouped_by_prompt():
+    sampling = SamplingConfig(n=2, logprobs=True)
+    results = [result([5, 2], {"type": "stop", "matched": 2}, [(-0.5, 5, None), (-1.0, 2, None)]),
+               result([6, 7], {"type": "length", "length": 2}, [(-0.1, 6, None), (-0.2, 7, None)]),
+               result([8], {"type": "stop", "matched": 8}, [(-3.0, 8, None)]),
+               result([9, 9], {"type": "length", "length": 2}, [(-0.3, 9, None), (-0.4, 9, None)])]
+    outputs = convert_outputs(results, sampling, num_prompts=2)
+    assert [o.prompt_index for o in outputs] == [0, 0, 1, 1]
+    assert [o.finish_reason for o in outputs] == ["stop", "length", "stop", "length"]
+    assert outputs[0].token_ids == [5, 2] and outputs[0].log_probs == [-0.5, -1.0]
+    assert convert_outputs(results, SamplingConfig(n=2), num_prompts=2)[1].log_probs is None
+
+
+def test_a_bad_answer_names_the_sample():
+    with pytest.raises(RuntimeError, match="3 results for 2 prompts x 2 samples"):
+        convert_outputs([result([1], "length")] * 3, SamplingConfig(n=2), num_prompts=2)
+    with pytest.raises(RuntimeError, match="sample 1 of prompt 0 with .*abort.*out of memory"):
+        convert_outputs([result([1], {"type": "length"}), result([], {"type": "abort", "message": "out of memory"})],
+                        SamplingConfig(n=2), num_prompts=1)
+    with pytest.raises(RuntimeError, match="log-prob 1 of sample 0 of prompt 0 is for token 4, the output has 3"):
+        convert_outputs([result([2, 3], "length", [(-1.0, 2, None), (-1.0, 4, None)])],
+                        SamplingConfig(logprobs=True), num_prompts=1)
+    with pytest.raises(RuntimeError, match="1 log-probs for sample 0 of prompt 0's 2 tokens"):
+        convert_outputs([result([2, 3], "length", [(-1.0, 2, None)])], SamplingConfig(logprobs=True), num_prompts=1)
+
+
+def test_start_up_arguments():
+    arguments = sglang_compat.engine_arguments(
+        "/m", tensor_parallel_size=1, gpu_memory_utilization=0.4, enforce_eager=True, dtype="bfloat16",
+        max_model_len=1024, seed=3, enable_sleep_mode=True, enable_prefix_caching=False, load_format="dummy",
+        local_device_index=2, extra={"chunked_prefill_size": 4096})
+    assert arguments["skip_tokenizer_init"] and arguments["disable_cuda_graph"] and arguments["disable_radix_cache"]
+    assert arguments["enable_memory_saver"] and arguments["enable_weights_cpu_backup"]
+    assert (arguments["mem_fraction_static"], arguments["context_length"], arguments["random_seed"],
+            arguments["base_gpu_id"], arguments["load_format"], arguments["chunked_prefill_size"]) == (
+        0.4, 1024, 3, 2, "dummy", 4096)
+    with pytest.raises(ValueError, match="random_seed"):
+        sglang_compat.engine_arguments("/m", tensor_parallel_size=1, gpu_memory_utilization=0.4,
+                                       enforce_eager=False, dtype="auto", max_model_len=None, seed=0,
+                                       enable_sleep_mode=False, enable_prefix_caching=True, load_format="auto",
+                                       local_device_index=None, extra={"random_seed": 1})
+
+
+@pytest.mark.parametrize("override,key", [
+    ("actor_rollout_ref.rollout.stop=[x]", "actor_rollout_ref.rollout.stop"),
+    ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+     "actor_rollout_ref.rollout.enable_rollout_routing_replay"),
+    ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.quantization"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor_model_parallel_size=2"),
+])
+def test_the_config_refuses_what_the_sglang_engine_leaves_out(override, key):
+    from megarl.config import ConfigError
+    from megarl.run_config import load_config
+
+    with pytest.raises(ConfigError, match=key):
+        load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.name=sglang", override])
+    load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.name=sglang"])
