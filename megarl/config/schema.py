@@ -193,6 +193,14 @@ class ActorConfig:
 
 
 @dataclass
+class RolloutEngineKwargs:
+    """verl's ``actor_rollout_ref.rollout.engine_kwargs``: the rollout engine's own start-up options, beside
+    megarl's keys (which win: an option megarl sets is refused here)."""
+
+    sglang: dict[str, Any] = field(default_factory=dict)  # sglang.Engine's ServerArgs fields
+
+
+@dataclass
 class SamplingOverrides:
     n: int = 1
     temperature: float = 0.0
@@ -251,6 +259,7 @@ class RolloutConfig:
     # weights at every sync; training stays bf16. Turns on token-level TIS (algorithm.rollout_correction.rollout_is
     # =token) unless rollout_correction is configured (rollout_is=none: none). verl's key.
     quantization: Optional[str] = None
+    engine_kwargs: RolloutEngineKwargs = field(default_factory=RolloutEngineKwargs)
 
 
 @dataclass

@@ -391,6 +391,9 @@ def _check_sglang_rollout(cfg: MegarlConfig) -> None:
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
     if rollout.name != "sglang":
+        if rollout.engine_kwargs.sglang:
+            raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.sglang is set ({sorted(rollout.engine_kwargs.sglang)})"
+                              f" and the rollout engine is {rollout.name!r}: set actor_rollout_ref.rollout.name=sglang")
         return
     lora = model_lora(arr.model)
     refused = {

@@ -55,6 +55,8 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
             engine_kwargs["lora_rank"] = adapter_rank
         if rollout.quantization:  # vLLM quantizes what it loads, and again at every weight sync (layerwise)
             engine_kwargs["quantization"] = rollout.quantization
+    if rollout.name == "sglang":
+        engine_kwargs["server_args"] = dict(rollout.engine_kwargs.sglang)  # refused where megarl sets the option
     if rollout.enable_rollout_routing_replay:
         engine_kwargs["return_routed_experts"] = True
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)

@@ -1,8 +1,8 @@
 """On CUDA with real SGLang (issue 41): megarl's SGLang engine generates, seeds per prompt, takes weight updates
 from device tensors exactly (CUDA IPC into SGLang's scheduler process), and releases its memory when asleep.
 
-One engine (bf16, sleep mode, no CUDA graphs, no radix cache: every compared generation prefills from scratch)
-on a small random Qwen2 (4 layers, GQA); greedy decoding with log-probs is deterministic for a fixed batch, so
+One engine (bf16, sleep mode, no CUDA graphs, no radix cache: every compared generation prefills from scratch;
+SGLang's deterministic mode, in which alone it honours per-request seeds) on a small random Qwen2 (4 layers, GQA); greedy decoding with log-probs is deterministic for a fixed batch, so
 "exact" below means equal token ids and equal log-probs:
 
 * generation: every prompt gets ``max_tokens`` tokens (``ignore_eos``) with finite log-probs <= 0; sampled with
@@ -51,7 +51,9 @@ def engine(model_dir):
 
     engine = SGLangRolloutEngine(str(model_dir), dtype="bfloat16", enable_sleep_mode=True, enforce_eager=True,
                                  max_model_len=512, seed=0, gpu_memory_utilization=SHARE,
-                                 enable_prefix_caching=False)
+                                 enable_prefix_caching=False,
+                                 server_args={"enable_deterministic_inference": True})  # SGLang's seeds need it
+    assert engine.honours_seeds
     yield engine
     engine.shutdown()
 

@@ -46,7 +46,8 @@ def engine_arguments(model_path: str, *, tensor_parallel_size: int, gpu_memory_u
         arguments["base_gpu_id"] = local_device_index
     unknown = set(extra) & set(arguments)
     if unknown:
-        raise ValueError(f"SGLangRolloutEngine: {sorted(unknown)} are set by megarl's own options; pass those instead")
+        raise ValueError(f"SGLangRolloutEngine: {sorted(unknown)} are set by megarl's own options "
+                         "(actor_rollout_ref.rollout.*); pass those instead of SGLang's server arguments")
     return {**arguments, **extra}
 
 

@@ -10,7 +10,9 @@ manager, which here is only a request router (``skip_tokenizer_init``: token ids
   shapes are checked against the checkpoint first (:class:`~megarl.engines.rollout.weight_session.WeightUpdateSession`)
   and a session must carry the whole model, as for vLLM; the radix (prefix) cache is flushed when it closes;
 * ``n`` samples of a prompt are ``n`` requests with seeds ``seed + prompt_index * n + j`` (or
-  ``prompt_seeds[i] + j``), as the vLLM engine seeds them, through SGLang's per-request ``sampling_seed``;
+  ``prompt_seeds[i] + j``), as the vLLM engine seeds them, through SGLang's per-request ``sampling_seed``, which
+  SGLang 0.5.17 honours only in its deterministic mode (``enable_deterministic_inference``: batch-invariant
+  kernels, slower); otherwise it samples from its own generator and the engine says so once;
 * log-probs are SGLang's: ``log_softmax(logits / temperature)`` of the sampled token (greedy: of the logits),
   which is megarl's contract (``base.py``) without top-k/top-p; with those filters SGLang does not renormalize,
   so asking for log-probs and a filter is refused rather than returning another distribution's numbers;
@@ -26,6 +28,7 @@ adapters, images, the experts an MoE model routed to, tensor parallelism across 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +40,8 @@ from megarl.engines.rollout import sglang_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
                                          validate_prompts)
 from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
+
+logger = logging.getLogger(__name__)
 
 
 def request_sampling_params(sampling: SamplingConfig, num_prompts: int) -> list[dict]:
@@ -104,11 +109,13 @@ class SGLangRolloutEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         load_format: str = "auto",
         local_device_index: Optional[int] = None,
-        **engine_kwargs,
+        server_args: Optional[dict] = None,
     ) -> None:
         """Start SGLang on the HF dir `model_path`. `gpu_memory_utilization` is SGLang's ``mem_fraction_static``
         (the device's share for weights and KV cache); `load_format="dummy"` starts from random weights, for a
-        weight sync to fill. `engine_kwargs` go to ``sglang.Engine`` unchanged."""
+        weight sync to fill. `server_args`: more of ``sglang.Engine``'s options (its ServerArgs fields, verl's
+        ``rollout.engine_kwargs.sglang``), refused where they name one megarl sets from its own arguments;
+        ``enable_deterministic_inference=True`` is what makes SGLang honour the samples' seeds."""
         import sglang
 
         sglang_compat.check_supported_version()
@@ -126,7 +133,10 @@ class SGLangRolloutEngine(RolloutEngine):
             model_path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, dtype=dtype, max_model_len=max_model_len, seed=seed,
             enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching,
-            load_format=load_format, local_device_index=local_device_index, extra=engine_kwargs))
+            load_format=load_format, local_device_index=local_device_index, extra=dict(server_args or {})))
+        # SGLang reads a request's sampling_seed only in its deterministic mode (batch-invariant kernels)
+        self.honours_seeds = bool((server_args or {}).get("enable_deterministic_inference"))
+        self._warned_seeds = False
         self._memory = "awake"  # awake | asleep | weights_only (the KV cache and CUDA graphs still released)
 
     # ------------------------------------------------------------------ generation
@@ -139,6 +149,12 @@ class SGLangRolloutEngine(RolloutEngine):
         validate_prompts(prompt_token_ids, self.vocab_size)
         check_prompt_seeds(prompt_token_ids, sampling)
         params = request_sampling_params(sampling, len(prompt_token_ids))
+        seeded = not sampling.is_greedy and (sampling.seed is not None or bool(sampling.prompt_seeds))
+        if seeded and not self.honours_seeds and not self._warned_seeds:
+            logger.warning("SGLang samples without the given seeds unless started with enable_deterministic_inference "
+                           "(actor_rollout_ref.rollout.engine_kwargs.sglang.enable_deterministic_inference=true, "
+                           "slower batch-invariant kernels): a resumed run will not resample the same responses")
+            self._warned_seeds = True
         requests = [list(ids) for ids in prompt_token_ids for _ in range(sampling.n)]
         results = self.engine.generate(input_ids=requests, sampling_params=params, return_logprob=sampling.logprobs)
         return convert_outputs(results, sampling, len(prompt_token_ids))

@@ -95,3 +95,14 @@ def test_the_config_refuses_what_the_sglang_engine_leaves_out(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.name=sglang", override])
     load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.name=sglang"])
+
+
+def test_sglangs_own_options_travel_under_verls_key_and_only_to_sglang():
+    from megarl.config import ConfigError
+    from megarl.run_config import load_config
+
+    cfg = load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.name=sglang",
+                                                 "actor_rollout_ref.rollout.engine_kwargs.sglang.chunked_prefill_size=4096"])
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.sglang == {"chunked_prefill_size": 4096}
+    with pytest.raises(ConfigError, match="engine_kwargs.sglang is set .*chunked_prefill_size.* set actor_rollout_ref.rollout.name=sglang"):
+        load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.engine_kwargs.sglang.chunked_prefill_size=4096"])
