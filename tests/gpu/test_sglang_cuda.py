@@ -123,8 +123,10 @@ def test_per_prompt_seeds_make_a_prompts_samples_its_own(engine):
 def test_a_stop_token_ends_the_sample_and_stays_in_it(engine):
     from megarl.engines.rollout.base import SamplingConfig
 
-    first = greedy(engine)[0][0]
-    stop = first[5]  # the greedy continuation's sixth token: greedy reaches it again
+    first = greedy(engine)[0][0]  # ignore_eos: may pass the model's eos (id 2), which this run stops at
+    before_eos = first.index(2) if 2 in first else len(first)
+    assert before_eos > 0
+    stop = first[min(5, before_eos - 1)]  # a token of the greedy continuation before any eos: greedy reaches it again
     outputs = engine.generate(PROMPTS, SamplingConfig.greedy(max_tokens=48, stop_token_ids=(stop,)))
     assert outputs[0].finish_reason == "stop"
     assert outputs[0].token_ids == first[:first.index(stop) + 1]

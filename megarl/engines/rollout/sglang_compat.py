@@ -28,14 +28,16 @@ def check_supported_version() -> None:
 
 
 def engine_arguments(model_path: str, *, tensor_parallel_size: int, gpu_memory_utilization: float,
-                     enforce_eager: bool, dtype: str, max_model_len: Optional[int], seed: int,
+                     enforce_eager: bool, dtype, max_model_len: Optional[int], seed: int,
                      enable_sleep_mode: bool, enable_prefix_caching: bool, load_format: str,
                      local_device_index: Optional[int], extra: dict) -> dict:
     """``sglang.Engine``'s keyword arguments (its ServerArgs) for megarl's engine options. Token ids in and out
     (no tokenizer in the engine); the Triton attention and PyTorch sampling backends, the ones a box without
     FlashAttention-3 and flashinfer builds has; with sleep mode, the weights backed up to the host when
     released, since :meth:`SGLangRolloutEngine.sleep` must keep them unless told otherwise and SGLang decides
-    that once, at start-up."""
+    that once, at start-up. ``dtype``: a name (``"auto"``, ``"bfloat16"``) or a torch dtype (SGLang takes names)."""
+    if not isinstance(dtype, str):
+        dtype = str(dtype).removeprefix("torch.")
     arguments = dict(model_path=model_path, skip_tokenizer_init=True, tp_size=tensor_parallel_size,
                      mem_fraction_static=gpu_memory_utilization, disable_cuda_graph=enforce_eager, dtype=dtype,
                      context_length=max_model_len, random_seed=seed, enable_memory_saver=enable_sleep_mode,

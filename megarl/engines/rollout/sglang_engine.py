@@ -20,7 +20,8 @@ manager, which here is only a request router (``skip_tokenizer_init``: token ids
   ``torch_memory_saver``); the weights are backed up to host memory when released, as ``sleep()`` must keep
   them unless told otherwise (SGLang fixes that at start-up, so ``discard_weights`` saves no copy here).
 
-Leaves out (refused by name): stop strings (no tokenizer in the engine: pass ``stop_token_ids``), LoRA
+Leaves out (refused by name): stop strings (no tokenizer in the engine: pass ``stop_token_ids``), stop token ids
+beside ``ignore_eos`` (SGLang's ignore_eos switches them off too), LoRA
 adapters, images, the experts an MoE model routed to, tensor parallelism across megarl's ranks (SGLang's own
 ``tp_size`` spawns its ranks itself; megarl's rollout replicas over the actor group's ranks are vLLM's).
 """
@@ -50,6 +51,11 @@ def request_sampling_params(sampling: SamplingConfig, num_prompts: int) -> list[
         raise NotImplementedError("SGLangRolloutEngine: stop strings need a tokenizer in the engine, which megarl's "
                                   f"token-id engine does not start; got stop={list(sampling.stop)} (pass "
                                   "stop_token_ids, or generate with rollout.name=vllm)")
+    if sampling.ignore_eos and sampling.stop_token_ids:
+        raise NotImplementedError(
+            f"SGLangRolloutEngine: ignore_eos with stop_token_ids={list(sampling.stop_token_ids)}: SGLang's "
+            "ignore_eos switches off every stop token, not only the model's eos (megarl's contract keeps the stop "
+            "ids); use rollout.name=vllm, or drop one of the two")
     filtered = sampling.top_p < 1.0 or sampling.top_k != -1
     if sampling.logprobs and filtered and not sampling.is_greedy:
         raise NotImplementedError(
@@ -102,7 +108,7 @@ class SGLangRolloutEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = False,
-        dtype: str = "auto",
+        dtype="auto",
         max_model_len: Optional[int] = None,
         seed: int = 0,
         enable_sleep_mode: bool = False,

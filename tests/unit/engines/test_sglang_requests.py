@@ -5,6 +5,7 @@ back, its start-up arguments, and what the config refuses with rollout.name=sgla
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megarl.engines.rollout import sglang_compat
 from megarl.engines.rollout.base import SamplingConfig
@@ -24,6 +25,8 @@ def test_n_samples_are_n_requests_seeded_like_the_vllm_engine():
 def test_what_the_token_id_engine_cannot_honour_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="stop strings"):
         request_sampling_params(SamplingConfig(stop=("###",)), num_prompts=1)
+    with pytest.raises(NotImplementedError, match="ignore_eos with stop_token_ids=\\[7\\]"):
+        request_sampling_params(SamplingConfig(ignore_eos=True, stop_token_ids=(7,)), num_prompts=1)
     with pytest.raises(NotImplementedError, match="top_p=0.9"):
         request_sampling_params(SamplingConfig(top_p=0.9, logprobs=True), num_prompts=1)
     # without log-probs the filters are SGLang's to apply; greedy log-probs are the plain log-softmax
@@ -66,11 +69,12 @@ def test_a_bad_answer_names_the_sample():
 
 def test_start_up_arguments():
     arguments = sglang_compat.engine_arguments(
-        "/m", tensor_parallel_size=1, gpu_memory_utilization=0.4, enforce_eager=True, dtype="bfloat16",
+        "/m", tensor_parallel_size=1, gpu_memory_utilization=0.4, enforce_eager=True, dtype=torch.bfloat16,
         max_model_len=1024, seed=3, enable_sleep_mode=True, enable_prefix_caching=False, load_format="dummy",
         local_device_index=2, extra={"chunked_prefill_size": 4096})
     assert arguments["skip_tokenizer_init"] and arguments["disable_cuda_graph"] and arguments["disable_radix_cache"]
     assert arguments["enable_memory_saver"] and arguments["enable_weights_cpu_backup"]
+    assert arguments["dtype"] == "bfloat16"  # the trainer's torch dtype, as SGLang names it
     assert (arguments["mem_fraction_static"], arguments["context_length"], arguments["random_seed"],
             arguments["base_gpu_id"], arguments["load_format"], arguments["chunked_prefill_size"]) == (
         0.4, 1024, 3, 2, "dummy", 4096)
