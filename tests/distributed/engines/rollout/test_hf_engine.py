@@ -202,5 +202,5 @@ def test_bad_inputs_raise_clear_errors(engine):
         SamplingConfig(top_p=0.0)
     with pytest.raises(ValueError, match="SamplingConfig.max_tokens"):
         SamplingConfig(max_tokens=0)
-    with pytest.raises(ValueError, match="unknown rollout engine 'sglang'"):
-        build_rollout_engine("sglang", "/nonexistent")
+    with pytest.raises(ValueError, match="unknown rollout engine 'trtllm'"):
+        build_rollout_engine("trtllm", "/nonexistent")
