@@ -56,7 +56,7 @@ def _vllm_lora_world(rank, model_dir):
 
     from megarl.engines.rollout.base import SamplingConfig
     from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
-    from tests.gpu.test_vllm_cuda import CONFIG, PROMPTS
+    from tests.gpu.rollout_engine_checks import CONFIG, PROMPTS
 
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)

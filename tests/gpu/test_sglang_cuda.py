@@ -23,25 +23,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.gpu.rollout_engine_checks import (PROMPTS, check_greedy_generation, check_updates_are_exact, device_used,
+                                           greedy, original_and_perturbed, push, write_model)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CONFIG = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=4096, hidden_size=512,
-              intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-              max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              use_sliding_window=False, initializer_range=0.05, bos_token_id=1, eos_token_id=2,
-              torch_dtype="bfloat16")
-PROMPTS = [[3 + (7 * i + 11 * j) % 4000 for j in range(20 + 9 * i)] for i in range(16)]
 SHARE = 0.15  # of the device, for weights and KV cache (mem_fraction_static)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    out = tmp_path_factory.mktemp("qwen2_sglang")
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    return out
+    return write_model(tmp_path_factory.mktemp("qwen2_sglang"))
 
 
 @pytest.fixture(scope="module")
@@ -60,42 +52,11 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def weights(model_dir):
-    from safetensors.torch import load_file
-
-    original = {name: t.cuda() for name, t in load_file(str(model_dir / "model.safetensors")).items()}
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    perturbed = {name: (t.float() + 0.02 * torch.randn(t.shape, device="cuda", generator=generator)).to(t.dtype)
-                 for name, t in original.items()}
-    return original, perturbed
-
-
-def greedy(engine):
-    from megarl.engines.rollout.base import SamplingConfig
-
-    outputs = engine.generate(PROMPTS, SamplingConfig.greedy(max_tokens=48, logprobs=True, ignore_eos=True))
-    return [(o.token_ids, o.log_probs) for o in outputs]
-
-
-def push(engine, tensors: dict, bucket_bytes: int) -> None:
-    from megarl.weight_sync.buckets import bucketize
-
-    buckets = list(bucketize(sorted(tensors.items()), bucket_bytes))
-    assert len(buckets) >= 2
-    for bucket in buckets:
-        engine.update_weights(bucket)
-    engine.finish_weight_update()
-
-
-def device_used() -> int:
-    free, total = torch.cuda.mem_get_info()
-    return total - free
+    return original_and_perturbed(model_dir)
 
 
 def test_generation(engine):
-    outputs = greedy(engine)
-    assert len(outputs) == len(PROMPTS)
-    for tokens, log_probs in outputs:
-        assert len(tokens) == 48 and all(-1e4 < lp <= 0 for lp in log_probs)
+    check_greedy_generation(engine)
 
 
 def test_per_prompt_seeds_make_a_prompts_samples_its_own(engine):
@@ -133,16 +94,7 @@ def test_a_stop_token_ends_the_sample_and_stays_in_it(engine):
 
 
 def test_device_tensor_updates_are_exact(engine, weights):
-    original, perturbed = weights
-    before = greedy(engine)
-    push(engine, perturbed, bucket_bytes=8 << 20)
-    after = greedy(engine)
-    assert after != before, "the pushed weights did not change the output"
-    push(engine, original, bucket_bytes=8 << 20)
-    assert greedy(engine) == before
-    push(engine, perturbed, bucket_bytes=20 << 20)
-    assert greedy(engine) == after
-    push(engine, original, bucket_bytes=8 << 20)  # the next test starts from the original weights
+    check_updates_are_exact(engine, *weights)  # ends on the original weights
 
 
 def test_a_session_missing_a_tensor_is_refused(engine, weights):

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.gpu.test_vllm_cuda import CONFIG, PROMPTS
+from tests.gpu.rollout_engine_checks import CONFIG, PROMPTS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
