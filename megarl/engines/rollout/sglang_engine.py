@@ -8,9 +8,9 @@ manager, which here is only a request router (``skip_tokenizer_init``: token ids
   (``Engine.update_weights_from_tensor``): SGLang's scheduler maps the trainer's memory and loads from it, no
   host round trip; each call returns once SGLang has queued the bucket's copies (torch's IPC event orders them
   after the trainer's writes; what orders them before the trainer reuses the memory is the call's round trip,
-  as in verl's and slime's use of the same call). Names and
-  shapes are checked against the checkpoint first (:class:`~megarl.engines.rollout.weight_session.WeightUpdateSession`)
-  and a session must carry the whole model, as for vLLM; the radix (prefix) cache is flushed when it closes;
+  as in verl's and slime's use of the same call). Names and shapes are checked against the checkpoint first
+  (:class:`~megarl.engines.rollout.weight_session.WeightUpdateSession`) and a session must carry the whole model,
+  as for vLLM; the radix (prefix) cache is flushed when it closes;
 * ``n`` samples of a prompt are ``n`` requests with seeds ``seed + prompt_index * n + j`` (or
   ``prompt_seeds[i] + j``), as the vLLM engine seeds them, through SGLang's per-request ``sampling_seed``, which
   SGLang 0.5.17 honours only in its deterministic mode (``enable_deterministic_inference``: batch-invariant
