@@ -64,7 +64,11 @@ if [[ " $STAGE " == *" sglang "* ]]; then
     gguf==0.19.0 einops==0.8.2 dill==0.4.1 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 orjson==3.13.0 \
     uvloop==0.23.0 aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 aiohappyeyeballs==2.7.1 \
     aiosignal==1.4.0 frozenlist==1.8.0 attrs==26.1.0 ipython==9.19.1 traitlets==5.16.1 compressed-tensors==0.20.1 \
-    loguru==0.7.3 uvicorn==0.55.0
+    loguru==0.7.3 uvicorn==0.55.0 flashinfer-python==0.6.15.post1 nvidia-ml-py==13.615.71
+  # flashinfer (and the pynvml it imports): sglang's fp8_utils imports it at module level on CUDA (seen on the
+  # H100, 2026-12-07: the engine's import chain reaches it through its quantization registry), though the triton
+  # attention and pytorch sampling backends never call it; its kernels compile on first use only. A CPU import
+  # sees these only with torch told it has an sm90 device (and sgl_kernel, which needs the driver, stood in for).
   # the box's interpreter, not this one, decides which wheels install
   python3 -m pip install -q $PLATFORM --no-compile --target "$work/site" "$work"/wheels/*.whl 2>&1 \
     | grep -v "^WARNING: Location" || true
