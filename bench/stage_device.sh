@@ -73,6 +73,15 @@ if [[ " $STAGE " == *" sglang "* ]]; then
   python3 -m pip install -q $PLATFORM --no-compile --target "$work/site" "$work"/wheels/*.whl 2>&1 \
     | grep -v "^WARNING: Location" || true
   [ -d "$work/site/sglang" ] && [ -d "$work/site/sgl_kernel/sm90" ] || { echo "stage_device: sglang did not install" >&2; exit 1; }
+  # what the box's engine imports, checked as the box imports it (CUDA-only imports included): needs a Python
+  # 3.12 with the box's torch in SGLANG_CHECK_PYTHON (e.g. a virtualenv with torch 2.11.0+cu130 and nothing the box
+  # lacks); skipped, and said so, without one
+  if [ -n "${SGLANG_CHECK_PYTHON:-}" ]; then
+    "$SGLANG_CHECK_PYTHON" bench/sglang_import_check.py "$work/site" ${VLLM_SITE:+"$VLLM_SITE"} \
+      || { echo "stage_device: SGLang's engine does not import from the stage (above)" >&2; exit 1; }
+  else
+    echo "stage_device: SGLANG_CHECK_PYTHON not set: the stage's CUDA-side imports are not checked" >&2
+  fi
   # Hopper only, and no FlashAttention-3/FlashMLA builds: 1.2 GB of the kernel package's 1.25 GB
   rm -rf "$work/site/sgl_kernel/sm100" "$work/site/sgl_kernel/flash_ops.abi3.so" "$work/site/sgl_kernel/flashmla_ops.abi3.so" \
     "$work/site/bin"
