@@ -167,6 +167,16 @@ def check_prompt_seeds(prompt_token_ids: list[list[int]], sampling: SamplingConf
                          f"{len(prompt_token_ids)} prompts")
 
 
+def first_sample_seed(sampling: SamplingConfig, prompt_index: int) -> int | None:
+    """The seed of sample 0 of prompt ``prompt_index``; sample j takes it + j (vLLM's own rule for the n children
+    of a request). The prompt's own seed when ``prompt_seeds`` are given, else the call's seed spaced by n so that
+    every sample of the call has a seed of its own; None when unseeded. One rule for the engines that seed per
+    request, so a run samples alike on either."""
+    if sampling.prompt_seeds:
+        return sampling.prompt_seeds[prompt_index]
+    return None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
+
+
 def validate_prompts(prompt_token_ids: list[list[int]], vocab_size: int | None) -> None:
     """Raise a ValueError naming the first bad prompt (empty, non-int or out-of-vocabulary id)."""
     if not isinstance(prompt_token_ids, (list, tuple)):

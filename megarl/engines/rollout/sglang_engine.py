@@ -41,7 +41,7 @@ import torch
 
 from megarl.engines.rollout import sglang_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
-                                         validate_prompts)
+                                         first_sample_seed, validate_prompts)
 from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
 
 logger = logging.getLogger(__name__)
@@ -66,20 +66,15 @@ def request_sampling_params(sampling: SamplingConfig, num_prompts: int) -> list[
             "from (megarl's contract, base.py); use rollout.name=vllm for filtered sampling with log-probs")
     params = []
     for prompt_index in range(num_prompts):
+        first_seed = first_sample_seed(sampling, prompt_index)
         for sample in range(sampling.n):
-            if sampling.prompt_seeds:
-                seed = sampling.prompt_seeds[prompt_index] + sample
-            elif sampling.seed is not None:
-                seed = sampling.seed + prompt_index * sampling.n + sample
-            else:
-                seed = None
             param = dict(max_new_tokens=sampling.max_tokens, temperature=sampling.temperature,
                          top_p=sampling.top_p, top_k=sampling.top_k, ignore_eos=sampling.ignore_eos,
                          no_stop_trim=True)  # keep the stop token in the output, as the contract says
             if sampling.stop_token_ids:
                 param["stop_token_ids"] = list(sampling.stop_token_ids)
-            if seed is not None:
-                param["sampling_seed"] = seed
+            if first_seed is not None:
+                param["sampling_seed"] = first_seed + sample
             params.append(param)
     return params
 

@@ -54,7 +54,7 @@ import torch
 from megarl.data.vision_inputs import VisionTokens, collapse_image_pads, images_of_pixels
 from megarl.engines.rollout import vllm_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
-                                         validate_prompts)
+                                         first_sample_seed, validate_prompts)
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
 from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
 
@@ -273,10 +273,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int):
         from vllm import SamplingParams
 
-        # vLLM gives the j-th of n children seed+j; spacing prompts by n keeps every sample's seed unique.
-        seed = None if sampling.seed is None else sampling.seed + prompt_index * sampling.n
-        if sampling.prompt_seeds:
-            seed = sampling.prompt_seeds[prompt_index]
+        seed = first_sample_seed(sampling, prompt_index)  # vLLM gives the j-th of the n children seed + j
         return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
