@@ -41,6 +41,8 @@ from bench.measure import H200_SPEC_BF16_DENSE_TFLOPS
 from bench.shapes import SHAPES, is_vision_language, model_config, train_flops_for_lengths
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "step")
+# the overrides that put LoRA on the actor (verl's block and its shorthand)
+LORA_RANK_KEYS = ("actor_rollout_ref.model.lora.rank", "actor_rollout_ref.model.lora_rank")
 
 
 def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int, special: Optional[dict[str, int]] = None) -> None:
@@ -206,11 +208,14 @@ def generate_alone(args, work: Path) -> dict:
 
 def update_mfu(hf_cfg: dict, args, means: dict) -> dict:
     """The update's model FLOPs (bench/shapes.py: 6 x matmul parameters x tokens + attention; recompute not
-    counted; a vision-language model's language model) over its seconds, against the card's dense bf16 peak
-    (989 TFLOP/s on an H100 SXM and an H200 alike), with and without the host optimizer step it contains."""
+    counted; a vision-language model's language model; a LoRA run's frozen base takes no weight gradients) over
+    its seconds, against the card's dense bf16 peak (989 TFLOP/s on an H100 SXM and an H200 alike), with and
+    without the host optimizer step it contains."""
     if "timing_s/update_actor" not in means:
         return {}
-    flops = train_flops_for_lengths(hf_cfg, [args.prompt_len + args.response_len] * (args.prompts * args.n))
+    lora = any(o.split("=", 1)[0] in LORA_RANK_KEYS and o.split("=", 1)[1] not in ("0", "null") for o in args.override)
+    flops = train_flops_for_lengths(hf_cfg, [args.prompt_len + args.response_len] * (args.prompts * args.n),
+                                    frozen_weights=lora)
     update, host_step = means["timing_s/update_actor"], means.get("actor/optimizer_step_s", 0.0)
     peak = H200_SPEC_BF16_DENSE_TFLOPS * 1e12
     return {"update_tflops": flops / update / 1e12, "update_mfu": flops / update / peak,

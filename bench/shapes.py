@@ -172,15 +172,19 @@ def forward_flops_per_token(cfg: dict[str, Any], seq_len: int) -> float:
     return train_flops_per_token(cfg, seq_len) / 3.0
 
 
-def train_flops_for_lengths(cfg: dict[str, Any], lengths: Iterable[int]) -> float:
-    """Useful training FLOPs of one pass over sequences of these real lengths (module docstring)."""
+def train_flops_for_lengths(cfg: dict[str, Any], lengths: Iterable[int], *, frozen_weights: bool = False) -> float:
+    """Useful training FLOPs of one pass over sequences of these real lengths (module docstring).
+    ``frozen_weights``: the matmuls' weights take no gradient (LoRA's frozen base; its adapters are a rounding
+    error): their backward is the input's gradient alone, twice their forward instead of three times in all;
+    attention's backward (the gradients of q, k and v) is the same either way."""
     _, _, layers, heads, _, head_dim, _ = _dims(cfg)
     lengths = [int(n) for n in (lengths.tolist() if hasattr(lengths, "tolist") else lengths)]
     if any(n < 0 for n in lengths):
         raise ValueError(f"sequence lengths must be >= 0, got {lengths}")
     # Integers until the end: the sums are exact, so equal lengths reproduce the per-token formula.
-    forward = 2 * matmul_params(cfg) * sum(lengths) + 2 * layers * heads * head_dim * sum(n * n for n in lengths)
-    return 3.0 * forward
+    matmuls = 2 * matmul_params(cfg) * sum(lengths)
+    attention = 2 * layers * heads * head_dim * sum(n * n for n in lengths)
+    return (2.0 if frozen_weights else 3.0) * matmuls + 3.0 * attention
 
 
 def forward_flops_for_lengths(cfg: dict[str, Any], lengths: Iterable[int]) -> float:

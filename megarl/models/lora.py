@@ -215,7 +215,19 @@ def attach_lora(model: torch.nn.Module, spec: LoRASpec) -> list[str]:
         adapted.append(global_name)
     if not adapted:
         raise ValueError(f"LoRA adapted nothing: no module named {spec.targets} is left after exclude={spec.exclude}")
+    if getattr(model, "embedding", None) is not None:  # the first pipeline stage; later ones receive a stream that
+        model.embedding.register_forward_hook(_stream_needs_grad)  # megatron's schedules mark as needing a gradient
     return adapted
+
+
+def _stream_needs_grad(module, args, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output needs no gradient, and a recomputed layer (megatron's activation
+    checkpointing, ``recompute_granularity=full``) whose inputs need none hands back an output that needs none:
+    every adapter inside it would be cut off from the loss and never train, silently. So the stream entering the
+    decoder asks for its gradient (what transformers' ``enable_input_require_grads`` does for PEFT)."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def iter_adapters(model_chunks) -> Iterator[tuple[int, str, torch.nn.Module]]:

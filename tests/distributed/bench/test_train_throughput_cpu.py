@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bench.shapes import qwen2_config, train_flops_for_lengths, train_flops_per_token
+from bench.shapes import matmul_params, qwen2_config, train_flops_for_lengths, train_flops_per_token
 from bench.train_throughput import (
     hf_packed_micro_batches, hf_padded_micro_batches, hf_response_log_probs, make_grpo_batch, row_lengths,
 )
@@ -33,6 +33,16 @@ def test_flops_for_lengths_count_each_sequence_on_its_own():
     # Packing three rows into one stream must not be counted as one long causal sequence.
     assert train_flops_for_lengths(cfg, lengths) < train_flops_for_lengths(cfg, [sum(lengths)])
     assert train_flops_for_lengths(cfg, []) == 0.0
+
+
+def test_a_frozen_base_drops_the_weight_gradients_and_keeps_attentions_backward():
+    cfg = qwen2_config("0.5b")
+    lengths = [4096, 1000, 17]
+    matmuls = 2 * matmul_params(cfg) * sum(lengths)
+    attention = train_flops_for_lengths(cfg, lengths) - 3 * matmuls  # all of it attention's forward and backward
+    assert attention > 0
+    assert train_flops_for_lengths(cfg, lengths, frozen_weights=True) == pytest.approx(2 * matmuls + attention,
+                                                                                       rel=1e-12)
 
 
 def test_uniform_batch_is_rollout_shaped_and_seeded():
