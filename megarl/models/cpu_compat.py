@@ -198,10 +198,22 @@ def _patch_schedules_cuda_tensors() -> None:
 
 
 class CpuStream:
-    """Stands in for a CUDA stream on CPU, where every op is already synchronous."""
+    """Stands in for a CUDA stream on CPU, where every op is already synchronous. It also answers what vLLM's CPU
+    worker asks of its own placeholder (``device``, ``query``, ``with stream:``), since one process may hold both."""
+
+    device = torch.device("cpu")
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def __enter__(self) -> "CpuStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
 
     def wait_stream(self, other) -> None:
         pass
@@ -237,10 +249,15 @@ _CPU_DEFAULT_STREAM = CpuStream()
 
 
 def _patch_streams() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
     torch.cuda.Stream = CpuStream  # type: ignore[assignment,misc]
     torch.cuda.Event = CpuEvent  # type: ignore[assignment]
     torch.cuda.current_stream = lambda device=None: _CPU_DEFAULT_STREAM  # type: ignore[assignment]
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    # The all-to-all dispatcher keeps the first stream any dispatcher made, in a class attribute, for the life of
+    # the process, and synchronizes on the event it records: pin ours, whatever torch.cuda.Stream was then.
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = CpuStream()
 
 
 _MOE_TE_NAMES = (
@@ -316,8 +333,13 @@ _PATCHES = (
 
 
 def enable_cpu_compat(force: bool = False) -> list[str]:
-    """Apply the CPU redirections unless CUDA is available (or ``force``). Returns applied names."""
+    """Apply the CPU redirections unless CUDA is available (or ``force``). Returns applied names.
+
+    Called again (every Megatron engine start is a call), it puts the stream patch back: vLLM's CPU worker, once
+    imported (an in-process vLLM engine, a trainer.backend=inprocess run), replaces torch.cuda's streams with
+    placeholders whose ``record_event`` returns None, on which Megatron's MoE dispatch then fails."""
     if _APPLIED:
+        _patch_streams()
         return applied_patches()
     if torch.cuda.is_available() and not force:
         return []

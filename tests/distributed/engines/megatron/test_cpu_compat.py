@@ -74,3 +74,37 @@ def test_cpu_rng_tracker_forks_per_name_and_restores_outer_state():
     with pytest.raises(RuntimeError, match="not added"):
         with tracker.fork("missing"):
             pass
+
+
+def _moe_all_to_all_forward_beside_vllm(rank: int, seed: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from megarl.engines.megatron.parallel import ParallelLayout, initialize_megatron_parallel
+    from megarl.models.cpu_compat import enable_cpu_compat
+
+    enable_cpu_compat()  # an earlier engine of this process
+    # then what an in-process vLLM CPU engine imports (a trainer.backend=inprocess run, vLLM's engine tests): it
+    # puts placeholders in torch.cuda whose record_event returns None
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+
+    initialize_megatron_parallel(layout=ParallelLayout(), seed=seed)  # this engine starting
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=4,
+        moe_router_topk=2, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+        use_cpu_initialization=True, add_bias_linear=False, normalization="RMSNorm", hidden_dropout=0.0,
+        attention_dropout=0.0, bf16=False, params_dtype=torch.float32)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
+                     vocab_size=64, max_sequence_length=16, position_embedding_type="rope")
+    tokens = torch.arange(16).view(2, 8)
+    mask = torch.triu(torch.ones(1, 1, 8, 8, dtype=torch.bool), diagonal=1)
+    logits = model(input_ids=tokens, position_ids=torch.arange(8).expand(2, 8), attention_mask=mask)
+    return tuple(logits.shape), bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.timeout(240)
+def test_moe_dispatch_runs_in_a_process_that_also_imported_vllms_cpu_worker():
+    pytest.importorskip("vllm")
+    (shape, finite), = run_distributed(_moe_all_to_all_forward_beside_vllm, 1, 3)
+    assert shape == (2, 8, 64) and finite
