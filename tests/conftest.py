@@ -12,10 +12,18 @@
 Tests that run on a Ray cluster (the controller's worker groups and transports, the trainer's runs) share one,
 ``ray_cluster``: started by the first that asks, stopped at the end of the session. Tests about starting and
 losing clusters (the launch tests, a SIGKILLed driver) start their own in processes of their own.
+
+CI runs the suite in two pytest-xdist workers (``-n 2 --dist loadfile``: a file's tests stay in one worker, in
+order, sharing its module fixtures): most of a run is waiting on processes starting, so two streams fill the
+two cores. A test that needs the machine to itself (it measures the node's memory, say) is marked ``exclusive``:
+it starts once the other worker's current test has ended, and the other worker starts nothing until it ends.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -54,3 +62,26 @@ def ray_cluster():
              extra_env={**worker_env_for("cpu"), "MEGARL_TEST_MARKER": "on"})
     yield
     shutdown_ray()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Share the machine between xdist workers as a readers-writer lock over the whole protocol of an item (its
+    fixtures' setup and teardown too: a module's engine starts inside its first test's protocol): every test
+    holds ``room`` shared, an ``exclusive`` one holds it alone. ``turnstile`` gives the exclusive one priority:
+    it holds the turnstile while it waits for the room, so the other worker's next test queues behind it rather
+    than keeping the room shared forever. Without xdist (``pytest tests/unit``, a single file) this does nothing."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"megarl-tests-{run}"
+    mode = fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.room", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(room, mode)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)

@@ -10,7 +10,8 @@ import pytest
 
 from tests.paths import REPO
 
-pytestmark = pytest.mark.timeout(240)
+# exclusive: Ray's memory monitor watches the whole node, so another test's memory would move the threshold
+pytestmark = [pytest.mark.timeout(240), pytest.mark.exclusive]
 
 
 def test_a_worker_killed_for_host_memory_names_the_phase_and_the_knobs():
