@@ -105,6 +105,8 @@ def update_weights(engine):
     engine.update_weights_from_tensor(named_tensors=[(name, new)], flush_cache=True)
     seconds = time.perf_counter() - started
     after = engine.get_weights_by_name(name, truncate_size=16)
+    if after is None:  # what 0.5.17 answered on the H100 (2026-12-07): the read-back is not there to check against
+        return None, {"update_seconds": round(seconds, 4), "read_back": "get_weights_by_name answered None"}
     exact = torch.equal(torch.as_tensor(after, dtype=torch.float32).flatten()[:16], new[:16].float().cpu())
     if not exact:
         raise AssertionError(f"{name} after the update {after} is not the tensor sent {new[:16].tolist()}")
