@@ -371,11 +371,16 @@ def check_config(cfg: MegarlConfig) -> None:
                        data.train_batch_size, rollout.n, critic_dp,
                        by_tokens=cfg.critic.ppo_max_token_len_per_gpu is not None)
     _positive(rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size")
-    if rollout.tensor_model_parallel_size > 1 and (rollout.name != "vllm" or t.placement != "colocate"):
+    if rollout.tensor_model_parallel_size > 1 and (rollout.name == "hf" or t.placement != "colocate"):
         raise ConfigError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} needs "
-            f"actor_rollout_ref.rollout.name=vllm and trainer.placement=colocate (got {rollout.name!r}, "
+            f"actor_rollout_ref.rollout.name=vllm or sglang and trainer.placement=colocate (got {rollout.name!r}, "
             f"{t.placement!r}): the HF engine and separate rollout workers serve a whole replica per rank")
+    if rollout.name == "sglang" and t.n_gpus_per_node % rollout.tensor_model_parallel_size:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} must divide "
+            f"trainer.n_gpus_per_node={t.n_gpus_per_node} with rollout.name=sglang: SGLang serves a replica from its "
+            "first rank, on that rank's node's GPUs")
     rollout_procs = t.rollout_gpus if t.placement == "separate" else n_train
     if rollout_procs % rollout.tensor_model_parallel_size:
         raise ConfigError(

@@ -17,27 +17,29 @@ from megarl.controller.rollout_replicas import RolloutReplica, generate_in_repli
 
 
 def check_rollout_tensor_parallel(cfg: MegarlConfig, *, colocated: bool) -> None:
-    """Rollout replicas spanning several ranks exist for vLLM inside the colocated actor group only."""
+    """Rollout replicas spanning several ranks exist for vLLM and SGLang inside the colocated actor group only."""
     rollout = cfg.actor_rollout_ref.rollout
     tp = rollout.tensor_model_parallel_size
-    if tp > 1 and (rollout.name != "vllm" or not colocated):
+    if tp > 1 and (rollout.name not in ("vllm", "sglang") or not colocated):
         raise NotImplementedError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}: rollout replicas spanning several ranks "
-            f"need actor_rollout_ref.rollout.name=vllm and trainer.placement=colocate (got name={rollout.name!r}, "
-            f"placement={'colocate' if colocated else 'separate'})")
+            f"need actor_rollout_ref.rollout.name=vllm or sglang and trainer.placement=colocate (got "
+            f"name={rollout.name!r}, placement={'colocate' if colocated else 'separate'})")
 
 
-def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset: int, colocated: bool,
+def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, replica: RolloutReplica, colocated: bool,
                              device: str, local_device_index: Optional[int], adapter_rank: Optional[int] = None):
-    """This rank's rollout engine; ``seed_offset`` is its replica's index (the same on all ranks of a
-    replica that spans several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
+    """This rank's rollout engine, seeded by its ``replica``'s index (the same on all ranks of a replica that spans
+    several ranks, see :mod:`megarl.controller.rollout_replicas`). Callers have run
     :func:`check_rollout_tensor_parallel`. vLLM runs in this process (its engine core too), so weight
-    buckets reach it as device tensors; SGLang runs its scheduler in a process of its own and maps them by CUDA
-    IPC. Colocated on a GPU either is built with sleep mode, to hand the device to training between rollouts
-    (``rollout.free_cache_engine``). ``adapter_rank``: the engine serves a LoRA adapter of that rank (vLLM's
-    LoRA; the HF engine needs nothing to serve one)."""
+    buckets reach it as device tensors, and a replica over several ranks is a shard in each; SGLang runs its
+    scheduler in a process of its own and maps them by CUDA IPC, and a replica over several ranks is one engine in
+    its first rank (:mod:`megarl.controller.first_rank_replica`). Colocated on a GPU either is built with sleep
+    mode, to hand the device to training between rollouts (``rollout.free_cache_engine``). ``adapter_rank``: the
+    engine serves a LoRA adapter of that rank (vLLM's LoRA; the HF engine needs nothing to serve one)."""
     from megarl.engines.rollout.factory import build_rollout_engine
 
+    seed_offset = replica.index
     rollout = cfg.actor_rollout_ref.rollout
     engine_kwargs = {"dtype": DTYPES[rollout.dtype], "load_format": rollout.load_format}
     if rollout.name in ("vllm", "sglang"):  # the production engines: sized, seeded and put to sleep alike
@@ -59,6 +61,15 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, seed_offset:
         engine_kwargs["server_args"] = dict(rollout.engine_kwargs.sglang)  # refused where megarl sets the option
     if rollout.enable_rollout_routing_replay:
         engine_kwargs["return_routed_experts"] = True
+    if rollout.name == "sglang" and replica.size > 1:
+        from megarl.controller.first_rank_replica import serve_from_first_rank
+        from megarl.engines.rollout.sglang_compat import serialize_for_tp_worker
+
+        return serve_from_first_rank(
+            replica, lambda visible: build_rollout_engine(rollout.name, model_path, **engine_kwargs,
+                                                          tensor_parallel_size=replica.size, visible_devices=visible),
+            sleeps=engine_kwargs["enable_sleep_mode"], serialize_bucket=serialize_for_tp_worker,
+            local_device_index=local_device_index if device == "cuda" else None)
     return build_rollout_engine(rollout.name, model_path, **engine_kwargs)
 
 
@@ -114,11 +125,10 @@ class RolloutWorker(WeightReceiver):
         if self.context.device == "cuda":
             torch.cuda.set_device(self.context.local_device_index)
         check_rollout_tensor_parallel(cfg, colocated=False)
-        self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
-                                               seed_offset=self.context.rank, colocated=False,
-                                               device=self.context.device,
-                                               local_device_index=self.context.local_device_index)
         self.replica = RolloutReplica(index=self.context.rank, size=1, group=None)
+        self.engine = build_rollout_engine_for(cfg, str(resolve_model_path(cfg.actor_rollout_ref.model.path)),
+                                               replica=self.replica, colocated=False, device=self.context.device,
+                                               local_device_index=self.context.local_device_index)
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
     def generate(self, prompt_token_ids: list[list[int]], sampling, multi_modal_inputs=None) -> list:

@@ -7,7 +7,7 @@ Both are plain classes whose methods declare how the driver's arguments are spli
 (:mod:`megarl.controller.dispatch`); what is on the device in which phase is decided by
 :class:`~megarl.controller.device_residency.DeviceResidency`, and the engines' arguments come from
 :mod:`megarl.controller.engine_specs`. Generation is data parallel over every rank (each rank holds a whole
-rollout replica, or with vLLM TP > 1 a replica spans consecutive ranks); training is split by Megatron's
+rollout replica, or with rollout TP > 1 a replica spans consecutive ranks); training is split by Megatron's
 data-parallel rank.
 With ``trainer.placement=separate`` the rollout replicas are ``RolloutWorker``s
 (:mod:`megarl.controller.rollout_worker`) on their own pool, and training rank 0 streams the gathered buckets
@@ -118,7 +118,7 @@ class ActorRolloutRefWorker(MegatronRole):
             self.rollout_replica = form_rollout_replicas(arr.rollout.tensor_model_parallel_size)
             self.residency.make_room_for_rollout()  # the engine sizes its share from the memory free at its start
             self.rollout = build_rollout_engine_for(
-                cfg, self.model_path, seed_offset=self.rollout_replica.index, colocated=True,
+                cfg, self.model_path, replica=self.rollout_replica, colocated=True,
                 device=self.context.device, local_device_index=self.context.local_device_index,
                 adapter_rank=self.lora.rank if self.serve_adapter else None)
             # an engine serving an adapter keeps its base weights while asleep: a sync brings only the adapter

@@ -31,6 +31,7 @@ def engine_arguments(model_path: str, *, tensor_parallel_size: int, gpu_memory_u
                      enforce_eager: bool, dtype, max_model_len: Optional[int], seed: int,
                      enable_sleep_mode: bool, enable_prefix_caching: bool, load_format: str,
                      local_device_index: Optional[int], extra: dict) -> dict:
+    # ``local_device_index``: the first of the GPUs SGLang's TP workers take, one each (base_gpu_id)
     """``sglang.Engine``'s keyword arguments (its ServerArgs) for megarl's engine options. Token ids in and out
     (no tokenizer in the engine); the Triton attention and PyTorch sampling backends, the ones a box without
     FlashAttention-3 and flashinfer builds has; with sleep mode, the weights backed up to the host when
@@ -75,3 +76,37 @@ def output_log_probs(meta_info: dict, token_ids: list[int], where: str) -> list[
         if int(entry[1]) != token:
             raise RuntimeError(f"SGLang's log-prob {position} of {where} is for token {entry[1]}, the output has {token}")
     return [float(entry[0]) for entry in entries]
+
+
+def serialize_for_tp_worker(named_tensors: list[tuple[str, "torch.Tensor"]]) -> list[tuple[str, bytes]]:
+    """This process's tensors as CUDA IPC handles for the SGLang TP worker on the same GPU, one per tensor (what
+    SGLang's ``LocalSerializedTensor`` holds per rank), in the bucket's order. The device travels as its UUID
+    (SGLang's torch patch, which its TP workers apply too): the worker sees the replica's GPUs where this process
+    sees only its own, so a device index would name another GPU there. The caller keeps the tensors alive until
+    the load returned."""
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()
+    return [(name, MultiprocessingSerializer.serialize(tensor.detach())) for name, tensor in named_tensors]
+
+
+def check_replica_payloads(names: list[str], payloads_by_rank: list[list[tuple[str, object]]]) -> None:
+    """Every rank of the replica sent the first rank's bucket: the same tensors, in the same order."""
+    for rank, payload in enumerate(payloads_by_rank):
+        sent = [name for name, _ in payload]
+        if sent != names:
+            first = next((i for i, (a, b) in enumerate(zip(sent, names)) if a != b), min(len(sent), len(names)))
+            raise RuntimeError(f"rollout replica: rank {rank} of the replica sent another bucket than its first rank "
+                               f"({len(sent)} tensors against {len(names)}; position {first}: "
+                               f"{sent[first] if first < len(sent) else None!r} against "
+                               f"{names[first] if first < len(names) else None!r})")
+
+
+def tensors_per_tp_worker(loads: list[tuple[str, int]], payloads_by_rank: list[list[tuple[str, bytes]]]):
+    """``(name, LocalSerializedTensor)`` pairs for ``Engine.update_weights_from_tensor``: ``loads`` the names to
+    load under and their positions in the ranks' buckets; TP worker i loads rank i's copy, from its own GPU."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+    return [(name, LocalSerializedTensor(values=[payload[position][1] for payload in payloads_by_rank]))
+            for name, position in loads]

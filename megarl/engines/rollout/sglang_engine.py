@@ -22,14 +22,19 @@ manager, which here is only a request router (``skip_tokenizer_init``: token ids
   ``torch_memory_saver``); the weights are backed up to host memory when released, as ``sleep()`` must keep
   them unless told otherwise (SGLang fixes that at start-up, so ``discard_weights`` saves no copy here).
 
+A replica over several GPUs (``tensor_parallel_size`` > 1) is this engine in the replica's first rank, whose
+SGLang spawns one TP worker per GPU of the replica (``visible_devices``); the replica's other ranks hand it their
+buckets as IPC handles of their own GPU's copies (:meth:`update_weights_from_replica`;
+:mod:`megarl.controller.first_rank_replica` does the ranks' side).
+
 Leaves out (refused by name): stop strings (no tokenizer in the engine: pass ``stop_token_ids``), stop token ids
-beside ``ignore_eos`` (SGLang's ignore_eos switches them off too), LoRA
-adapters, images, the experts an MoE model routed to, tensor parallelism across megarl's ranks (SGLang's own
-``tp_size`` spawns its ranks itself; megarl's rollout replicas over the actor group's ranks are vLLM's).
+beside ``ignore_eos`` (SGLang's ignore_eos switches them off too), LoRA adapters, images, the experts an MoE model
+routed to.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -79,6 +84,13 @@ def request_sampling_params(sampling: SamplingConfig, num_prompts: int) -> list[
     return params
 
 
+def positions_in_bucket(original: list, admitted: list) -> list[tuple[str, int]]:
+    """``(name to load under, position in the bucket as sent)`` of what the weight session admitted: in order, a
+    tied head's alias renamed or dropped, each tensor found back by identity (the ranks' copies are by position)."""
+    position = {id(tensor): index for index, (_, tensor) in enumerate(original)}
+    return [(name, position[id(tensor)]) for name, tensor in admitted]
+
+
 def convert_outputs(results: list[dict], sampling: SamplingConfig, num_prompts: int) -> list[RolloutOutput]:
     """SGLang's finished requests (one per sample, in request order) as megarl's outputs."""
     if len(results) != num_prompts * sampling.n:
@@ -112,13 +124,16 @@ class SGLangRolloutEngine(RolloutEngine):
         enable_prefix_caching: bool = True,
         load_format: str = "auto",
         local_device_index: Optional[int] = None,
+        visible_devices: Optional[list[str]] = None,
         server_args: Optional[dict] = None,
     ) -> None:
         """Start SGLang on the HF dir `model_path`. `gpu_memory_utilization` is SGLang's ``mem_fraction_static``
         (the device's share for weights and KV cache); `load_format="dummy"` starts from random weights, for a
         weight sync to fill. `server_args`: more of ``sglang.Engine``'s options (its ServerArgs fields, verl's
         ``rollout.engine_kwargs.sglang``), refused where they name one megarl sets from its own arguments;
-        ``enable_deterministic_inference=True`` is what makes SGLang honour the samples' seeds."""
+        ``enable_deterministic_inference=True`` is what makes SGLang honour the samples' seeds.
+        `visible_devices`: the GPUs (CUDA_VISIBLE_DEVICES entries) of a replica over several, one TP worker on
+        each in order; SGLang's workers are started seeing those, whatever this process sees."""
         import sglang
 
         sglang_compat.check_supported_version()
@@ -132,11 +147,17 @@ class SGLangRolloutEngine(RolloutEngine):
         shapes = read_checkpoint_shapes(model_path, weights_on_disk=load_format != "dummy")
         self._session = WeightUpdateSession(type(self).__name__, shapes, tied=bool(config.get("tie_word_embeddings")))
         self._sleep_enabled = enable_sleep_mode
-        self.engine = sglang.Engine(**sglang_compat.engine_arguments(
+        if visible_devices is not None and len(visible_devices) != tensor_parallel_size:
+            raise ValueError(f"SGLangRolloutEngine: {len(visible_devices)} visible_devices for tensor_parallel_size="
+                             f"{tensor_parallel_size}")
+        arguments = sglang_compat.engine_arguments(
             model_path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, dtype=dtype, max_model_len=max_model_len, seed=seed,
-            enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching,
-            load_format=load_format, local_device_index=local_device_index, extra=dict(server_args or {})))
+            enable_sleep_mode=enable_sleep_mode, enable_prefix_caching=enable_prefix_caching, load_format=load_format,
+            local_device_index=0 if visible_devices is not None else local_device_index,
+            extra=dict(server_args or {}))
+        with _workers_see(visible_devices):
+            self.engine = sglang.Engine(**arguments)
         # SGLang reads a request's sampling_seed only in its deterministic mode (batch-invariant kernels)
         self.honours_seeds = bool((server_args or {}).get("enable_deterministic_inference"))
         self._warned_seeds = False
@@ -167,15 +188,33 @@ class SGLangRolloutEngine(RolloutEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket in SGLang's scheduler (CUDA IPC for device tensors); the session must deliver every
         checkpoint tensor before `finish_weight_update` (see :mod:`megarl.engines.rollout.weight_session`)."""
+        bucket = self._admit(named_tensors)
+        if bucket:
+            # SGLang's loaders take the checkpoint's tensors; contiguous ones share their storage as one IPC handle
+            bucket = [(name, tensor.contiguous()) for name, tensor in bucket]
+            self._load(bucket, bucket)
+
+    def update_weights_from_replica(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                                    payloads_by_rank: list[list[tuple[str, bytes]]]) -> None:
+        """One bucket of a replica over several GPUs, in its first rank: ``named_tensors`` this rank's own copies
+        (checked as :meth:`update_weights` checks them), ``payloads_by_rank[i]`` rank i's copies of the same
+        bucket as :func:`~megarl.engines.rollout.sglang_compat.serialize_for_tp_worker` wrote them, loaded by
+        SGLang's TP worker i from rank i's GPU."""
+        original = list(named_tensors)
+        sglang_compat.check_replica_payloads([name for name, _ in original], payloads_by_rank)
+        bucket = self._admit(original)
+        if bucket:
+            self._load(bucket, sglang_compat.tensors_per_tp_worker(positions_in_bucket(original, bucket),
+                                                                   payloads_by_rank))
+
+    def _admit(self, named_tensors):
         if self._memory == "asleep":
             raise RuntimeError("SGLangRolloutEngine.update_weights called while asleep; call wake_up() first "
                                "(wake_up(weights_only=True) is enough)")
-        bucket = self._session.admit(named_tensors)
-        if not bucket:
-            return
-        # SGLang's loaders take the checkpoint's tensors; contiguous ones share their storage as one IPC handle
-        bucket = [(name, tensor.contiguous()) for name, tensor in bucket]
-        success, message = self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+        return self._session.admit(named_tensors)
+
+    def _load(self, bucket, named_tensors) -> None:
+        success, message = self.engine.update_weights_from_tensor(named_tensors=named_tensors, flush_cache=False)
         if not success:
             raise RuntimeError(f"SGLangRolloutEngine.update_weights: SGLang refused a bucket of {len(bucket)} "
                                f"tensors (first {bucket[0][0]!r}): {message}")
@@ -238,3 +277,22 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._session.open:
             raise RuntimeError(f"SGLangRolloutEngine.{what} called during a weight update; "
                                "call finish_weight_update() first")
+
+
+@contextlib.contextmanager
+def _workers_see(visible_devices: Optional[list[str]]):
+    """SGLang's TP workers are processes it starts, with this process's environment at their start: with
+    ``visible_devices`` they see those GPUs (this process, whose CUDA is already up, keeps its own)."""
+    if visible_devices is None:
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+

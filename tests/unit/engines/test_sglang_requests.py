@@ -9,7 +9,8 @@ import torch
 
 from megarl.engines.rollout import sglang_compat
 from megarl.engines.rollout.base import SamplingConfig
-from megarl.engines.rollout.sglang_engine import convert_outputs, request_sampling_params
+from megarl.engines.rollout.sglang_engine import convert_outputs, positions_in_bucket, request_sampling_params
+from megarl.engines.rollout.weight_session import WeightUpdateSession
 
 
 def test_n_samples_are_n_requests_seeded_like_the_vllm_engine():
@@ -90,7 +91,6 @@ def test_start_up_arguments():
     ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
      "actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.quantization"),
-    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2", "tensor_model_parallel_size=2"),
 ])
 def test_the_config_refuses_what_the_sglang_engine_leaves_out(override, key):
     from megarl.config import ConfigError
@@ -110,3 +110,39 @@ def test_sglangs_own_options_travel_under_verls_key_and_only_to_sglang():
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.sglang == {"chunked_prefill_size": 4096}
     with pytest.raises(ConfigError, match="engine_kwargs.sglang is set .*chunked_prefill_size.* set actor_rollout_ref.rollout.name=sglang"):
         load_config("configs/grpo_tiny.yaml", ["actor_rollout_ref.rollout.engine_kwargs.sglang.chunked_prefill_size=4096"])
+
+
+def test_a_replicas_copies_are_found_by_their_place_in_the_bucket_the_ranks_sent():
+    # a tied model's bucket with the head's alias after the embedding: the session drops the alias, and each
+    # tensor the first rank loads takes the ranks' copies at its own position in what they sent
+    shapes = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
+    sent = [("model.norm.weight", torch.ones(4)), ("model.embed_tokens.weight", torch.zeros(8, 4)),
+            ("lm_head.weight", torch.zeros(8, 4))]
+    admitted = WeightUpdateSession("Engine", shapes, tied=True).admit(sent)
+    assert positions_in_bucket(sent, admitted) == [("model.norm.weight", 0), ("model.embed_tokens.weight", 1)]
+    head_first = [sent[2], sent[0]]
+    admitted = WeightUpdateSession("Engine", shapes, tied=True).admit(head_first)
+    assert positions_in_bucket(head_first, admitted) == [("model.embed_tokens.weight", 0), ("model.norm.weight", 1)]
+
+
+def test_ranks_that_sent_another_bucket_are_named():
+    names = ["a", "b", "c"]
+    sglang_compat.check_replica_payloads(names, [[(n, b"") for n in names]] * 2)
+    with pytest.raises(RuntimeError, match=r"rank 1 .* position 2: None against 'c'"):
+        sglang_compat.check_replica_payloads(names, [[(n, b"") for n in names], [("a", b""), ("b", b"")]])
+    with pytest.raises(RuntimeError, match=r"rank 0 .* position 0: 'b' against 'a'"):
+        sglang_compat.check_replica_payloads(names, [[("b", b""), ("a", b""), ("c", b"")]])
+
+
+def test_a_replica_over_several_gpus_stays_on_one_node():
+    from megarl.config import ConfigError
+    from megarl.run_config import load_config
+
+    two_gpus = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                "trainer.device=cuda"]
+    load_config(None, two_gpus + ["trainer.n_gpus_per_node=2"])  # one replica on the node's two GPUs
+    with pytest.raises(ConfigError, match=r"must divide trainer.n_gpus_per_node=1 with rollout.name=sglang"):
+        load_config(None, two_gpus + ["trainer.n_gpus_per_node=1", "trainer.nnodes=2"])
+    with pytest.raises(ConfigError, match="trainer.placement=colocate"):
+        load_config(None, two_gpus + ["trainer.n_gpus_per_node=2", "trainer.placement=separate",
+                                      "trainer.rollout_gpus=2", "trainer.nnodes=2"])
