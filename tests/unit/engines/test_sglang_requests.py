@@ -146,3 +146,13 @@ def test_a_replica_over_several_gpus_stays_on_one_node():
     with pytest.raises(ConfigError, match="trainer.placement=colocate"):
         load_config(None, two_gpus + ["trainer.n_gpus_per_node=2", "trainer.placement=separate",
                                       "trainer.rollout_gpus=2", "trainer.nnodes=2"])
+
+
+def test_the_packages_sglang_extra_is_the_tested_range():
+    import re
+
+    from tests.paths import REPO
+
+    low, high = (".".join(map(str, bound)) for bound in sglang_compat.TESTED)
+    extra = re.search(r'"sglang": \["sglang>=([\d.]+),<([\d.]+)"\]', (REPO / "setup.py").read_text())
+    assert extra is not None and extra.groups() == (low, high)
