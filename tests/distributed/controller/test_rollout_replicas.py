@@ -127,10 +127,10 @@ def _first_rank_replica_worker(rank, model_dir):
         mismatched = f"{type(exc).__name__}: {exc}"
     return dict(replica=replica.index, first=face.engine is not None,
                 visible=getattr(face.engine, "visible_devices", None), before=before, after=after, failed=failed,
-                mismatched=mismatched, changed=after[1] != mine_and_together_initial(model_dir, merged, greedy))
+                mismatched=mismatched, changed=after[1] != _greedy_before_any_update(model_dir, merged, greedy))
 
 
-def mine_and_together_initial(model_dir, merged, greedy):
+def _greedy_before_any_update(model_dir, merged, greedy):
     from megarl.engines.rollout.hf_engine import HFRolloutEngine
 
     outputs = HFRolloutEngine(model_dir).generate(merged, greedy) if merged else []
