@@ -31,8 +31,8 @@ def engine_arguments(model_path: str, *, tensor_parallel_size: int, gpu_memory_u
                      enforce_eager: bool, dtype, max_model_len: Optional[int], seed: int,
                      enable_sleep_mode: bool, enable_prefix_caching: bool, load_format: str,
                      local_device_index: Optional[int], extra: dict) -> dict:
-    # ``local_device_index``: the first of the GPUs SGLang's TP workers take, one each (base_gpu_id)
-    """``sglang.Engine``'s keyword arguments (its ServerArgs) for megarl's engine options. Token ids in and out
+    """``sglang.Engine``'s keyword arguments (its ServerArgs) for megarl's engine options (``local_device_index``:
+    the first of the GPUs SGLang's TP workers take, one each: ``base_gpu_id``). Token ids in and out
     (no tokenizer in the engine); the Triton attention and PyTorch sampling backends, the ones a box without
     FlashAttention-3 and flashinfer builds has; with sleep mode, the weights backed up to the host when
     released, since :meth:`SGLangRolloutEngine.sleep` must keep them unless told otherwise and SGLang decides

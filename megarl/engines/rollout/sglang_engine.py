@@ -34,7 +34,6 @@ routed to.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ import torch
 from megarl.engines.rollout import sglang_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
                                          first_sample_seed, validate_prompts)
+from megarl.engines.rollout.process_env import environment_set
 from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
 
 logger = logging.getLogger(__name__)
@@ -279,20 +279,7 @@ class SGLangRolloutEngine(RolloutEngine):
                                "call finish_weight_update() first")
 
 
-@contextlib.contextmanager
 def _workers_see(visible_devices: Optional[list[str]]):
     """SGLang's TP workers are processes it starts, with this process's environment at their start: with
     ``visible_devices`` they see those GPUs (this process, whose CUDA is already up, keeps its own)."""
-    if visible_devices is None:
-        yield
-        return
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
+    return environment_set({} if visible_devices is None else {"CUDA_VISIBLE_DEVICES": ",".join(visible_devices)})

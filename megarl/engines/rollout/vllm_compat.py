@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 from collections.abc import Iterator
 from typing import Optional
+
+from megarl.engines.rollout.process_env import environment_set
 
 SUPPORTED_VERSIONS = ">=0.26,<0.33"
 
@@ -61,18 +62,11 @@ def check_supported_version() -> None:
 def in_process_engine_env(local_device_index: Optional[int]) -> Iterator[None]:
     """While an ``LLM`` is built: keep its engine core in this process, and (CUDA) make the external
     launcher choose ``local_device_index``. Both variables are read at construction only."""
-    saved = {key: os.environ.get(key) for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "LOCAL_RANK")}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    values = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if local_device_index is not None:
-        os.environ["LOCAL_RANK"] = str(local_device_index)
-    try:
+        values["LOCAL_RANK"] = str(local_device_index)
+    with environment_set(values):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @contextlib.contextmanager
@@ -81,21 +75,14 @@ def routed_experts_env(enabled: bool) -> Iterator[None]:
     connector, which needs its V2 model runner (asked for by ``VLLM_USE_V2_MODEL_RUNNER``; read at construction
     only); vLLM 0.26 captures them in its V1 runner and refuses V2 ("Model Runner V2 does not yet support: routed
     experts capture", seen on the H100 on 2026-12-06). Versions between were not tried: they get 0.32's way."""
-    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if enabled and vllm_version() > (0, 26):
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
-    try:
-        yield
-    except Exception as err:
-        if enabled and "Triton" in str(err):
-            raise RuntimeError("vLLM returns routed experts only with its V2 model runner, which needs Triton (a "
-                               "GPU): on CPU use actor_rollout_ref.rollout.name=hf for routing replay") from err
-        raise
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+    with environment_set({"VLLM_USE_V2_MODEL_RUNNER": "1"} if enabled and vllm_version() > (0, 26) else {}):
+        try:
+            yield
+        except Exception as err:
+            if enabled and "Triton" in str(err):
+                raise RuntimeError("vLLM returns routed experts only with its V2 model runner, which needs Triton (a "
+                                   "GPU): on CPU use actor_rollout_ref.rollout.name=hf for routing replay") from err
+            raise
 
 
 def engine_core_in_process(llm) -> bool:
