@@ -41,8 +41,6 @@ from bench.measure import H200_SPEC_BF16_DENSE_TFLOPS
 from bench.shapes import SHAPES, is_vision_language, model_config, train_flops_for_lengths
 
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "step")
-# the overrides that put LoRA on the actor (verl's block and its shorthand)
-LORA_RANK_KEYS = ("actor_rollout_ref.model.lora.rank", "actor_rollout_ref.model.lora_rank")
 
 
 def write_word_tokenizer(out: Path, vocab_size: int, eos_id: int, special: Optional[dict[str, int]] = None) -> None:
@@ -206,14 +204,13 @@ def generate_alone(args, work: Path) -> dict:
             "gen_alone_quantization": args.quantization}
 
 
-def update_mfu(hf_cfg: dict, args, means: dict) -> dict:
+def update_mfu(hf_cfg: dict, args, means: dict, *, lora: bool) -> dict:
     """The update's model FLOPs (bench/shapes.py: 6 x matmul parameters x tokens + attention; recompute not
     counted; a vision-language model's language model; a LoRA run's frozen base takes no weight gradients) over
     its seconds, against the card's dense bf16 peak (989 TFLOP/s on an H100 SXM and an H200 alike), with and
     without the host optimizer step it contains."""
     if "timing_s/update_actor" not in means:
         return {}
-    lora = any(o.split("=", 1)[0] in LORA_RANK_KEYS and o.split("=", 1)[1] not in ("0", "null") for o in args.override)
     flops = train_flops_for_lengths(hf_cfg, [args.prompt_len + args.response_len] * (args.prompts * args.n),
                                     frozen_weights=lora)
     update, host_step = means["timing_s/update_actor"], means.get("actor/optimizer_step_s", 0.0)
@@ -274,6 +271,7 @@ def main(argv=None) -> dict:
     parser.add_argument("override", nargs="*", help="extra a.b.c=value trainer overrides")
     args = parser.parse_args(argv)
 
+    from megarl.config.lora import model_lora
     from megarl.run_config import load_config
     from megarl.trainer.main import run
 
@@ -315,7 +313,8 @@ def main(argv=None) -> dict:
         history = run(cfg)
         result = {**workload, "steps": args.steps, "wall_s": time.perf_counter() - start, "history": history,
                   "steady": steady_means(history)}
-        result.update(update_mfu(hf_cfg, args, result["steady"]))
+        lora = model_lora(cfg.actor_rollout_ref.model) is not None
+        result.update(update_mfu(hf_cfg, args, result["steady"], lora=lora))
         if args.gen_alone:
             import ray
 
