@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def ray_cluster():
     shutdown_ray()
 
 
+LOCKS_DIR_ENV = "MEGARL_TEST_LOCKS"  # the xdist run's lock files' folder, made by the controller for its workers
+
+
+def pytest_configure(config):
+    """The controller of an xdist run (it has workers to start, and is not one) makes the folder of the run's lock
+    files; its workers inherit the variable naming it, and the controller removes it once they have all ended."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ[LOCKS_DIR_ENV] = config._megarl_locks_dir = tempfile.mkdtemp(prefix="megarl-test-locks-")
+
+
+def pytest_unconfigure(config):
+    locks_dir = getattr(config, "_megarl_locks_dir", None)
+    if locks_dir:
+        shutil.rmtree(locks_dir, ignore_errors=True)
+        os.environ.pop(LOCKS_DIR_ENV, None)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Share the machine between xdist workers as a readers-writer lock over the whole protocol of an item (its
@@ -71,13 +89,12 @@ def pytest_runtest_protocol(item, nextitem):
     holds ``room`` shared, an ``exclusive`` one holds it alone. ``turnstile`` gives the exclusive one priority:
     it holds the turnstile while it waits for the room, so the other worker's next test queues behind it rather
     than keeping the room shared forever. Without xdist (``pytest tests/unit``, a single file) this does nothing."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
+    locks_dir = os.environ.get(LOCKS_DIR_ENV) if hasattr(item.config, "workerinput") else None
+    if not locks_dir:
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"megarl-tests-{run}"
     mode = fcntl.LOCK_EX if item.get_closest_marker("exclusive") else fcntl.LOCK_SH
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.room", "a") as room:
+    with open(f"{locks_dir}/turnstile", "a") as turnstile, open(f"{locks_dir}/room", "a") as room:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(room, mode)
         fcntl.flock(turnstile, fcntl.LOCK_UN)
