@@ -19,14 +19,17 @@ def _relative_error(value, reference):
     return float((value.double() - reference.double()).norm() / reference.double().norm())
 
 
+def compare_in_each_case(rank: int, hf_dirs: dict, device_name: str, cases: list) -> dict:
+    """Every (dtype, padding) case in one rank's process: one process start instead of one per case."""
+    return {(dtype_name, pads): compare_core_attentions(rank, [("tp1", {})], hf_dirs, device_name, dtype_name, pads)
+            for dtype_name, pads in cases}
+
+
 @pytest.mark.timeout(420)
 def test_sdpa_matches_local_attention_on_cuda(tmp_path):
     hf_dirs = {"qwen2": save_tiny_hf_checkpoint("qwen2", tmp_path / "qwen2", seed=3)}
-    runs = {}
-    for dtype_name, pads in (("float32", (0, 3, 7)), ("bfloat16", (0, 3, 7)), ("float32", (0, 0, 0)),
-                             ("bfloat16", (0, 0, 0))):
-        runs[dtype_name, pads] = run_distributed(compare_core_attentions, 1, [("tp1", {})], hf_dirs, "cuda",
-                                                 dtype_name, pads, timeout_s=240, cuda=True)[0]
+    cases = [("float32", (0, 3, 7)), ("bfloat16", (0, 3, 7)), ("float32", (0, 0, 0)), ("bfloat16", (0, 0, 0))]
+    (runs,) = run_distributed(compare_in_each_case, 1, hf_dirs, "cuda", cases, timeout_s=300, cuda=True)
     fp32 = runs["float32", (0, 3, 7)]
     # TF32-free fp32 on the GPU, but flash/memory-efficient kernels reorder more: 10x the CPU bound
     _assert_same(fp32["tp1", "qwen2", "local"], fp32["tp1", "qwen2", "sdpa"], "cuda fp32",
