@@ -51,7 +51,8 @@ class MeasuredUpdate:
 
 
 _GPU_SOURCE = "docs/benchmarks.md, train_throughput, H200, 2026-12-02 14:01-14:06 UTC (max_memory_allocated)"
-GPU_KERNELS = KernelSpec.megatron_local(rmsnorm="fused")
+# recorded before f5ac0c1 put the chunked TP = 1 log-prob path in the engine (the planner's default now)
+GPU_KERNELS = KernelSpec.megatron_local(rmsnorm="fused", log_prob="fp32_buffers")
 CPU_KERNELS = KernelSpec.megatron_local(rmsnorm="composite")
 
 GPU_MEASUREMENTS = (

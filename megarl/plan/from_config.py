@@ -86,13 +86,19 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
     max_seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     micro_batch_size = arr.actor.ppo_micro_batch_size_per_gpu
     global_batch_size = arr.actor.ppo_mini_batch_size * arr.rollout.n
-    if arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu:
+    packed = bool(arr.model.use_sequence_packing and arr.actor.ppo_max_token_len_per_gpu)
+    log_prob_micro_batch_size = None
+    if packed:
         # a token budget holds this many longest-possible rows' worth of activations, and budgets make as many
         # micro-batches as the tokens need: the rows are rounded up to whole budgets for the planner's arithmetic
         # (it counts micro-batches in flight, which pipeline stages hold)
         micro_batch_size = -(-arr.actor.ppo_max_token_len_per_gpu // max_seq_len)
         per_step = micro_batch_size * layout.dp
         global_batch_size = -(-global_batch_size // per_step) * per_step
+        # the old-log-prob (and reference) passes pack to budgets of their own: the larger one
+        budgets = [arr.rollout.log_prob_max_token_len_per_gpu, arr.ref.log_prob_max_token_len_per_gpu]
+        if any(budgets):
+            log_prob_micro_batch_size = -(-max(b or 0 for b in budgets) // max_seq_len)
     lora = model_lora(arr.model)
     training = TrainingSpec(
         global_batch_size=global_batch_size,
@@ -110,6 +116,8 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         lora_rank=lora.rank if lora else 0,
         lora_targets=resolve_targets(lora.target_modules) if lora else TrainingSpec.lora_targets,
         train_vision_tower=not arr.actor.freeze_vision_tower and lora is None,
+        sequence_packing=packed,
+        log_prob_micro_batch_size=log_prob_micro_batch_size,
     )
     hf_config = read_hf_config(model_path)
     quantization = hf_config.get("quantization_config") or {}

@@ -81,6 +81,12 @@ class TrainingSpec:
     lora_targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
     # a vision-language model's tower trains (grads, optimizer state) instead of staying frozen (weights only)
     train_vision_tower: bool = False
+    # sequence packing: a micro-batch is one stream of micro_batch_size x max_seq_len tokens (the token budget)
+    # rather than that many padded rows, and the log-prob path scores the whole stream (no response slice copied)
+    sequence_packing: bool = False
+    # rows of max_seq_len in one old/reference log-prob micro-batch (its own token budget when packing);
+    # None: the training micro-batch's
+    log_prob_micro_batch_size: int | None = None
 
 
 def split_pipeline_layers(num_layers: int, layout: LayoutSpec) -> tuple[list[int], list[str]]:

@@ -42,11 +42,13 @@ width D per rank (q = width of the local query heads, kv of the local kv heads):
   In flight on stage r (Megatron 1F1B): min(pp - r, M) micro-batches; interleaved with vpp=v:
   min(2(pp - r - 1) + (v - 1)pp + 1, M*v) chunks of 1/v of the stage.
 Logits (last stage, one micro-batch of b rows, N = b * response tokens, V' = padded vocab / tp): the model's
-  logits a*b*s*V', for b > 1 a contiguous copy of the response slice a*N*V', and the three fp32 [N, V'] buffers
-  megarl's vocab-parallel log-prob function holds at its forward peak (shifted logits, exp, exp * logits):
-  12*N*V'. The same holds with or without grad at TP > 1, so log-prob (no grad) passes count one layer's
-  activations plus this; at TP = 1 a no-grad pass holds one fp32 chunk of 2**28 logits instead of the three
-  buffers (megarl's chunked path). The worker brings the whole actor back (params, grads, optimizer) before its
+  logits a*b*s*V', for b > 1 unpacked rows a contiguous copy of the response slice a*N*V' (a packed stream is
+  scored whole, N = its tokens, no copy), and at TP > 1 the three fp32 [N, V'] buffers megarl's vocab-parallel
+  log-prob function holds at its forward peak (shifted logits, exp, exp * logits): 12*N*V', with or without
+  grad. At TP = 1 (megarl's chunked path) one fp32 chunk of 2**28 logits, and with grad two more logits-sized
+  tensors in the logits' dtype (the function's grad of what it read, and the model output's grad it is
+  scattered into). Log-prob (no grad) passes count one layer's activations plus this, at their own micro-batch
+  (its own token budget when packing). The worker brings the whole actor back (params, grads, optimizer) before its
   log-prob pass, so that phase counts all of it. An engine that builds explicit [b, 1, s, s] boolean masks keeps M
   of them on the GPU.
 
@@ -100,19 +102,26 @@ class KernelSpec:
     fused_swiglu: bool = True
     rmsnorm: Literal["fused", "composite"] = "fused"
     explicit_attention_mask: bool = False  # the engine ships [b, 1, s, s] bool masks to the GPU
+    # megarl's log-prob function at TP = 1: "chunked" (fp32 chunks of 2**28 logits) since f5ac0c1;
+    # "fp32_buffers" (three fp32 [N, V] buffers, as at TP > 1) is what the H200 updates recorded before it ran
+    log_prob: Literal["chunked", "fp32_buffers"] = "chunked"
 
     @classmethod
-    def megatron_local(cls, *, rmsnorm: Literal["fused", "composite"] = "composite") -> "KernelSpec":
+    def megatron_local(cls, *, rmsnorm: Literal["fused", "composite"] = "composite",
+                       log_prob: Literal["chunked", "fp32_buffers"] = "chunked") -> "KernelSpec":
         """megarl's engine on the local spec: materialized DotProductAttention, unfused SwiGLU (the bridge
         turns the fusions off), torch RMSNorm (composite on CPU), explicit masks of padded micro-batches
         (:func:`megarl.engines.megatron.packing.pad_rows`)."""
-        return cls(attention="materialized", fused_swiglu=False, rmsnorm=rmsnorm, explicit_attention_mask=True)
+        return cls(attention="materialized", fused_swiglu=False, rmsnorm=rmsnorm, explicit_attention_mask=True,
+                   log_prob=log_prob)
 
     def __post_init__(self):
         if self.attention not in ("flash", "materialized"):
             raise ValueError(f"KernelSpec.attention must be 'flash' or 'materialized', got {self.attention!r}")
         if self.rmsnorm not in ("fused", "composite"):
             raise ValueError(f"KernelSpec.rmsnorm must be 'fused' or 'composite', got {self.rmsnorm!r}")
+        if self.log_prob not in ("chunked", "fp32_buffers"):
+            raise ValueError(f"KernelSpec.log_prob must be 'chunked' or 'fp32_buffers', got {self.log_prob!r}")
 
 
 @dataclass
@@ -289,23 +298,31 @@ def layer_activation_bytes(
     )
 
 
-def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, *, with_grad: bool = True) -> float:
-    """Peak bytes of one micro-batch's logits through megarl's log-prob function. A forward-only pass at TP = 1
-    (the old/reference log-probs) runs the chunked path, which holds one fp32 chunk of 2**28 logits at a time
-    (the 7B run on an H100: docs/benchmarks.md, "7B on one GPU"); otherwise three fp32 [N, V/tp] buffers, as
-    measured for actor updates ("Planner vs measured memory")."""
+def logits_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, *, with_grad: bool = True,
+                 rows: int | None = None, kernels: KernelSpec = KernelSpec()) -> float:
+    """Peak bytes of one micro-batch's logits through megarl's log-prob function (``rows``: of max_seq_len, the
+    training micro-batch's unless given). At TP = 1 the chunked path holds one fp32 chunk of 2**28 logits at a
+    time, and with grad its backward adds two logits-sized tensors in the logits' dtype: its own grad of what it
+    read, and the model output's grad that slicing scatters it into (the 7B LoRA update on an H100 measured
+    these: docs/benchmarks.md, "Planner vs measured memory"). At TP > 1, three fp32 [N, V/tp] buffers."""
     tp = layout.parallel.tensor_parallel
     vocab = pad_vocab(dims.vocab_size, tp) / tp
-    rows = training.micro_batch_size
+    rows = rows or training.micro_batch_size
     positions = rows * training.max_seq_len // layout.parallel.context_parallel
-    response = rows * (training.max_response_len or training.max_seq_len)
     a = training.param_bytes
     model_logits = a * positions * vocab
-    # A [b, R] slice of [b, s, V] logits is contiguous only for b == 1; otherwise reshape copies it.
-    slice_copy = a * response * vocab if rows > 1 else 0
-    if tp == 1 and not with_grad:
-        return model_logits + slice_copy + 4 * min(TP1_CHUNK_ELEMENTS, response * vocab)
-    return model_logits + slice_copy + 4 * LOGPROB_FP32_BUFFERS * response * vocab
+    if training.sequence_packing:
+        response, slice_copy = positions, 0  # the whole stream is scored in place
+    else:
+        response = rows * (training.max_response_len or training.max_seq_len)
+        # A [b, R] slice of [b, s, V] logits is contiguous only for b == 1; otherwise reshape copies it.
+        slice_copy = a * response * vocab if rows > 1 else 0
+    if tp > 1 or kernels.log_prob == "fp32_buffers":
+        return model_logits + slice_copy + 4 * LOGPROB_FP32_BUFFERS * response * vocab
+    chunk = 4 * min(TP1_CHUNK_ELEMENTS, response * vocab)
+    if not with_grad:
+        return model_logits + slice_copy + chunk
+    return model_logits + slice_copy + a * response * vocab + a * positions * vocab + chunk
 
 
 def attention_side_bytes(dims: ModelDims, layout: LayoutSpec, training: TrainingSpec, kernels: KernelSpec,
@@ -402,9 +419,10 @@ def plan_layout(
     tp = layout.parallel.tensor_parallel
     vocab_shard = pad_vocab(dims.vocab_size, tp) * dims.hidden_size / tp
     tokens = training.micro_batch_size * training.max_seq_len // layout.parallel.context_parallel
-    # The log-prob function holds the same buffers with and without grad (forward-only passes included).
-    logits_train = logits_bytes(dims, layout, training)
-    logits_forward = logits_bytes(dims, layout, training, with_grad=False)
+    log_prob_rows = training.log_prob_micro_batch_size or training.micro_batch_size
+    log_prob_tokens = log_prob_rows * training.max_seq_len // layout.parallel.context_parallel
+    logits_train = logits_bytes(dims, layout, training, kernels=kernels)
+    logits_forward = logits_bytes(dims, layout, training, with_grad=False, rows=log_prob_rows, kernels=kernels)
     side = attention_side_bytes(dims, layout, training, kernels, num_micro)
     layer_shape = dict(seq_len=training.max_seq_len, activation_bytes=training.param_bytes, kernels=kernels)
     dense_shards = layout.dp * layout.parallel.context_parallel if layout.distributed_optimizer else 1
@@ -506,7 +524,8 @@ def plan_layout(
                 f"critic main grads ({'fp32' if gb == 4 else 'bf16'})": gb * critic_params,
                 f"critic {optimizer_name}": critic_optimizer,
             }
-        forward_act = max(layer_activation_bytes(dims, layout, tokens, k, "none", **layer_shape) for k in layer_kinds)
+        forward_act = max(layer_activation_bytes(dims, layout, log_prob_tokens, k, "none", **layer_shape)
+                          for k in layer_kinds)
         forward_act += logits_forward if is_last else 0
         colocated = layout.placement == "colocated"
         # what stays on the GPU while the rollout engine generates (the actor by part; ref/critic as a whole)

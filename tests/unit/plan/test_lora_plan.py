@@ -1,11 +1,18 @@
 """The planner with LoRA: the frozen base has no grads and no optimizer state, the reference is the base (no
 second model), and the adapters' share is what rank x (in + out) per adapted linear says."""
 
+import json
+
+import pytest
+
 from bench.shapes import qwen2_config
 from megarl.models.model_dims import read_model_dims
 from megarl.models.parallel_layout import ParallelLayout
 from megarl.plan.layout import LayoutSpec, TrainingSpec
+from megarl.plan.from_config import specs_from_run_config
 from megarl.plan.memory import GIB, lora_params_per_layer, plan_layout
+from megarl.run_config import load_config
+from tests.paths import REPO
 
 
 def _plan(lora_rank: int):
@@ -31,3 +38,43 @@ def test_lora_drops_grads_optimizer_and_reference():
     assert not full.fits and lora.fits  # 14B full-parameter does not fit an 80 GB card without offload; LoRA does
     assert adapters == 48 * 32 * ((5120 + 7168) + (5120 + 5120) + (5120 + 27648) + (13824 + 5120))
     assert next(p for p in lora.phases if p.phase == "actor train").total < 60 * GIB
+
+
+# bench/run_device.sh lora at MODELS=7b on one H100 80GB (docs/benchmarks.md, "7B LoRA GRPO with the recompute
+# fix"): bench/e2e_grpo.py's trainer overrides and the mode's own, as run-config overrides
+MEASURED_7B = REPO / "docs" / "device_results" / "e2e_lora_7b_h100_2026-12-07.json"
+H100_GIB = 85_520_809_984 / GIB  # torch's total_memory of the card the run had
+LORA_7B_RUN = [
+    "data.max_prompt_length=256", "data.max_response_length=512", "data.train_batch_size=16",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.model.use_sequence_packing=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=8192",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=16384",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=16384", "actor_rollout_ref.actor.megatron.params_dtype=bfloat16",
+    "actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.model.lora.merge=true",
+    "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.recompute_granularity=full",
+    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.55", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.dtype=bfloat16", "trainer.device=cuda",
+]
+
+
+def test_per_phase_peaks_within_10_percent_of_the_7b_lora_run(tmp_path):
+    """Each phase against the run's device-wide `memory/<phase>/peak_gb`. The update is where LoRA differs from
+    the full-parameter run: no weight grads, so the logits' backward (two logits-sized bf16 grads beside the
+    logits and one fp32 chunk at TP = 1) is its largest transient; three fp32 [N, V] buffers, the planner's term
+    before this run, put it 37% over."""
+    (tmp_path / "config.json").write_text(json.dumps(qwen2_config("7b")))
+    config = load_config(REPO / "configs" / "grpo_tiny.yaml", [f"actor_rollout_ref.model.path={tmp_path}", *LORA_7B_RUN])
+    hf_config, layout, training = specs_from_run_config(config)
+    assert training.lora_rank == 32 and training.sequence_packing and training.log_prob_micro_batch_size == 22
+    report = plan_layout(hf_config, layout, training, H100_GIB)
+    planned = {phase.phase: phase.total / GIB for phase in report.phases}
+    steady = json.loads(MEASURED_7B.read_text())["steady"]
+    measured = {"rollout": steady["memory/gen/peak_gb"], "log-prob (old + ref)": steady["memory/old_log_prob/peak_gb"],
+                "actor train": steady["memory/update_actor/peak_gb"]}
+    for phase, gb in measured.items():
+        ratio = planned[phase] / (gb * 1e9 / GIB)
+        print(f"{phase}: planned {planned[phase]:.2f} GiB, measured {gb * 1e9 / GIB:.2f} GiB ({ratio:.3f})")
+        assert abs(ratio - 1) < 0.10, (phase, ratio)
+    # the host holds the frozen bf16 base while vLLM generates, nothing of an optimizer
+    assert report.host_total == pytest.approx(2 * report.params.total, rel=0.01)

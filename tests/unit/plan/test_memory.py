@@ -74,12 +74,13 @@ def test_pipeline_first_stage_holds_pp_micro_batches():
     assert phase(report, "actor train").components["actor activations"] == pytest.approx(11 / 2 * 8 * per_layer)
     full = plan_layout(config, replace(pp4, recompute="full"), train, 80)
     # Recompute shrinks stage 0 so the last stage (1 micro-batch in flight, plus logits) becomes the worst:
-    # layer inputs of 8 layers + one layer's working set; the logits apart: bf16 model logits (2 B) and the
-    # log-prob function's three fp32 buffers (12 B) per (token, vocab) entry of one micro-batch.
+    # layer inputs of 8 layers + one layer's working set; the logits apart, per (token, vocab) entry of one
+    # micro-batch at TP = 1: bf16 model logits (2 B), their grad and the log-prob function's grad (2 + 2 B), and
+    # its fp32 chunk (4 B: 2048 x 128256 entries are under the chunk's 2**28).
     stored = 8 * 2 * 2048 * 4096 + per_layer
     assert phase(full, "actor train").stage == 3
     assert phase(full, "actor train").components["actor activations"] == pytest.approx(stored)
-    assert phase(full, "actor train").components["actor logits + log-prob buffers"] == 14 * 2048 * 128256
+    assert phase(full, "actor train").components["actor logits + log-prob buffers"] == 10 * 2048 * 128256
 
 
 def test_kv_cache_bytes_per_token():
