@@ -64,8 +64,8 @@ the allocator's own peak. ``KernelSpec`` says which kernels run (flash vs materi
 torch-composite SwiGLU/RMSNorm); ``KernelSpec.megatron_local`` is megarl's local-spec engine as it runs today.
 Leaves out: host memory beyond the optimizer and the parked state (the processes themselves), dynamic batching,
 activation offload, FP8 training, pipeline bubbles in time, the
-optimizer step's own transients (torch's foreach Adam allocates one fp32 copy of the parameters, below the
-activation peak whenever activations exceed 4 B/param).
+optimizer step's transients beyond torch's foreach Adam's one fp32 tensor the size of what it steps on the device
+(counted where it exceeds the activations it follows: the 7B run with 25% of Adam on the GPU).
 """
 
 from __future__ import annotations
@@ -547,6 +547,11 @@ def plan_layout(
         train["actor activations"] = activations - (logits_train if is_last else 0)
         if is_last:
             train["actor logits + log-prob buffers"] = logits_train
+        # torch's foreach Adam allocates one fp32 tensor the size of what it steps on the device (v's square
+        # root); the step runs once the backward has freed the activations, so the phase holds the larger one
+        step_temporary = MASTER_PARAM_BYTES * shard_params * (1 - host_share)
+        if step_temporary > activations:
+            train["optimizer step's fp32 temporary beyond the activations"] = step_temporary - activations
         train.update(side)
         train["framework overhead"] = overhead
         phases.append(PhaseMemory("actor train", stage, train))
