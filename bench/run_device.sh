@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # All GPU measurements of bench/ in one command, for the lent H200 (see docs/device_runs.md):
-#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora|vl|fp8curve
+#   bash bench/run_device.sh smoke|full|attn|pack|validate|vllm|e2e|big|moe|gen|lora|vl|fp8curve|pinned
 # (validate: first thing in every stay: `pytest tests/gpu` (all GPU tests; with vLLM carried, its tests too) and a
 #  packed GRPO run on the GPU; record the pass/fail count in docs/device_runs.md)
 # (big: bench/e2e_grpo.py --random-init for $MODELS (default 7b) with the optimizer partly on the host;
@@ -121,6 +121,8 @@ elif [ "$MODE" = big ] || [ "$MODE" = moe ]; then  # GRPO at $MODELS (default 7b
       --steps "${STEPS:-3}" --token-budget "${BUDGET:-4096}" --gpu-memory-utilization "$UTIL" ${GEN_ALONE:+--gen-alone} \
       --out "$OUT/e2e_$NAME${TAG:-}.json" $OFFLOAD $KNOBS ${EXTRA:-}
   done
+elif [ "$MODE" = pinned ]; then  # host memory of page-locked copies: torch's rounding, its knobs, megarl's buffer
+  step pinned_host_probe timeout 300 python3 -m bench.pinned_host_probe --out "$OUT/pinned_host_probe.json"
 elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; "30b-a3b" cut to $LAYERS), bf16 then FP8
   for model in $(echo "${MODELS:-7b}" | tr , ' '); do
     LAYER_ARGS=""; [ "$model" = 30b-a3b ] && LAYER_ARGS="--layers ${LAYERS:-8}"
