@@ -13,6 +13,7 @@ from megarl.plan.from_config import specs_from_run_config
 from megarl.plan.memory import GIB, lora_params_per_layer, plan_layout
 from megarl.run_config import load_config
 from tests.paths import REPO
+from tests.unit.plan.measured_runs import H100_GIB, assert_phases_within
 
 
 def _plan(lora_rank: int):
@@ -43,7 +44,6 @@ def test_lora_drops_grads_optimizer_and_reference():
 # bench/run_device.sh lora at MODELS=7b on one H100 80GB (docs/benchmarks.md, "7B LoRA GRPO with the recompute
 # fix"): bench/e2e_grpo.py's trainer overrides and the mode's own, as run-config overrides
 MEASURED_7B = REPO / "docs" / "device_results" / "e2e_lora_7b_h100_2026-12-07.json"
-H100_GIB = 85_520_809_984 / GIB  # torch's total_memory of the card the run had
 LORA_7B_RUN = [
     "data.max_prompt_length=256", "data.max_response_length=512", "data.train_batch_size=16",
     "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.rollout.n=8",
@@ -68,13 +68,6 @@ def test_per_phase_peaks_within_10_percent_of_the_7b_lora_run(tmp_path):
     hf_config, layout, training = specs_from_run_config(config)
     assert training.lora_rank == 32 and training.sequence_packing and training.log_prob_micro_batch_size == 22
     report = plan_layout(hf_config, layout, training, H100_GIB)
-    planned = {phase.phase: phase.total / GIB for phase in report.phases}
-    steady = json.loads(MEASURED_7B.read_text())["steady"]
-    measured = {"rollout": steady["memory/gen/peak_gb"], "log-prob (old + ref)": steady["memory/old_log_prob/peak_gb"],
-                "actor train": steady["memory/update_actor/peak_gb"]}
-    for phase, gb in measured.items():
-        ratio = planned[phase] / (gb * 1e9 / GIB)
-        print(f"{phase}: planned {planned[phase]:.2f} GiB, measured {gb * 1e9 / GIB:.2f} GiB ({ratio:.3f})")
-        assert abs(ratio - 1) < 0.10, (phase, ratio)
+    assert_phases_within(report, MEASURED_7B, 0.10)
     # the host holds the frozen bf16 base while vLLM generates, nothing of an optimizer
     assert report.host_total == pytest.approx(2 * report.params.total, rel=0.01)

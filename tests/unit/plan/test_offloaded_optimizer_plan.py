@@ -12,9 +12,9 @@ from megarl.plan.memory import GIB, plan_layout
 from megarl.run_config import load_config
 from megarl.trainer.memory_check import memory_plan_errors
 from tests.paths import REPO
+from tests.unit.plan.measured_runs import H100_GIB, assert_phases_within
 
 MEASURED = REPO / "docs" / "device_results" / "e2e_grpo_7b_h100_2026-12-07.json"
-H100_GIB = 85_520_809_984 / GIB  # torch's total_memory of the card the run had
 A = "actor_rollout_ref.actor"
 # bench/run_device.sh big on the H100 (docs/benchmarks.md, "7B on one GPU"), as run-config overrides
 RUN_7B = [
@@ -47,14 +47,7 @@ def test_per_phase_peaks_within_10_percent_of_the_7b_run(model_dir):
     hf_config, layout, training = specs_from_run_config(_config(model_dir))
     assert layout.optimizer_cpu_offload and layout.optimizer_offload_fraction == 0.75 and training.grad_bytes == 2
     report = plan_layout(hf_config, layout, training, H100_GIB)
-    planned = {phase.phase: phase.total / GIB for phase in report.phases}
-    steady = json.loads(MEASURED.read_text())["steady"]
-    measured = {"rollout": steady["memory/gen/peak_gb"], "log-prob (old + ref)": steady["memory/old_log_prob/peak_gb"],
-                "actor train": steady["memory/update_actor/peak_gb"]}
-    for phase, gb in measured.items():
-        ratio = planned[phase] / (gb * 1e9 / GIB)
-        print(f"{phase}: planned {planned[phase]:.2f} GiB, measured {gb * 1e9 / GIB:.2f} GiB ({ratio:.3f})")
-        assert abs(ratio - 1) < 0.10, (phase, ratio)
+    assert_phases_within(report, MEASURED, 0.10)
     # the update's peak is the optimizer step's: foreach Adam's fp32 temporary for the GPU's 25% of the parameters
     # outgrows the activations and logits it follows
     train = next(p for p in report.phases if p.phase == "actor train").components
