@@ -94,16 +94,23 @@ def _parity_worker(rank, hf_dir: str, dtype_name: str, tokens: torch.Tensor):
     return out
 
 
-def _run(hf_dir, dtype_name):
+def _parity_in_each_dtype(rank, hf_dir, dtype_names, tokens):
+    """Both dtypes in one rank's process: one process start instead of two."""
+    return {name: _parity_worker(rank, hf_dir, name, tokens) for name in dtype_names}
+
+
+@pytest.fixture(scope="module")
+def outputs(hf_dir):
     from tests.dist_harness import run_distributed
 
     tokens = torch.randint(0, VOCAB, (2, 128), generator=torch.Generator().manual_seed(3))
-    return run_distributed(_parity_worker, 1, hf_dir, dtype_name, tokens, timeout_s=240, cuda=True)[0]
+    return run_distributed(_parity_in_each_dtype, 1, hf_dir, ("float32", "bfloat16"), tokens, timeout_s=300,
+                           cuda=True)[0]
 
 
-@pytest.mark.timeout(300)
-def test_fp32_logits_match_hf_tightly(hf_dir):
-    out = _run(hf_dir, "float32")
+@pytest.mark.timeout(360)
+def test_fp32_logits_match_hf_tightly(outputs):
+    out = outputs["float32"]
     assert out["padded_vocab"] == 1024
     ref = out["hf_torch.float32"]
     err = relative_error(out["mcore"], ref)
@@ -113,9 +120,9 @@ def test_fp32_logits_match_hf_tightly(hf_dir):
     assert err < 1e-5 and lp_err < 1e-5
 
 
-@pytest.mark.timeout(300)
-def test_bf16_logits_match_hf_within_bf16_error(hf_dir):
-    out = _run(hf_dir, "bfloat16")
+@pytest.mark.timeout(360)
+def test_bf16_logits_match_hf_within_bf16_error(outputs):
+    out = outputs["bfloat16"]
     ref = out["hf_torch.float32"]
     err = relative_error(out["mcore"], ref)
     hf_bf16_err = relative_error(out["hf_torch.bfloat16"], ref)
