@@ -90,7 +90,8 @@ def _aligned(nbytes: int) -> int:
 
 def _engine_host_buffer(engine, nbytes: int) -> PinnedHostBuffer:
     """The engine's buffer, kept on the engine (it lives and dies with it) and reused by its next offload of the
-    same bytes: every step offloads the same storages, and registering pins every page again."""
+    same bytes: every step offloads the same storages, and registering pins every page again. Replacing it
+    never loses a copy: an earlier state's copies are views that keep its memory (then pageable) alive."""
     buffer = getattr(engine, "_offload_host_buffer", None)
     if buffer is None or buffer.nbytes != nbytes:
         if buffer is not None:
@@ -149,8 +150,9 @@ def offload_engine(engine, *, params: bool = True, grads: bool = True, optimizer
         seen.add(key)
         chosen.append((storage, tensor.device, keep))
     host = None
-    if pin:
-        host = _engine_host_buffer(engine, sum(_aligned(s.nbytes()) for s, _, keep in chosen if keep)).tensor
+    kept_bytes = sum(_aligned(s.nbytes()) for s, _, keep in chosen if keep)
+    if pin and kept_bytes:
+        host = _engine_host_buffer(engine, kept_bytes).tensor
     state = OffloadState()
     offset = 0
     for storage, device, keep in chosen:
