@@ -78,6 +78,9 @@ def _host_size_worker(rank):
     reload_engine(state)
     again = offload_engine(engine, params=True, grads=False, optimizer=False)
     reused = {e.backup.untyped_storage().data_ptr() for e in again.entries} == {first_buffer}
+    # offloading it again before the reload finds nothing on the device and leaves the buffer as it is
+    reused &= offload_engine(engine, params=True, grads=False, optimizer=False).entries == []
+    reused &= engine._offload_host_buffer.tensor.data_ptr() == first_buffer
     reload_engine(again)
     return {"one_buffer": len(buffer_ptrs) == 1, "pinned": all(b.is_pinned() for b in backups),
             "buffer_bytes": buffer_bytes, "exact_bytes": 40 * 2 * size, "rss_growth": rss_growth, "reused": reused,
