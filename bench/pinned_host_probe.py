@@ -23,16 +23,13 @@ SETTINGS = {
 }
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
 def child(mode: str) -> dict:
     import torch
 
+    from megarl.checkpoint_io.memory import current_rss_bytes
+
     torch.cuda.init()
-    before = _rss()
+    before = current_rss_bytes()
     if mode == "registered":
         from megarl.engines.megatron.offload import PinnedHostBuffer
 
@@ -42,7 +39,8 @@ def child(mode: str) -> dict:
         kept = [torch.empty(BLOCK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(BLOCKS)]
         for block in kept:
             block.zero_()
-    return {"torch": torch.__version__, "asked_bytes": BLOCKS * BLOCK_BYTES, "resident_growth": _rss() - before}
+    return {"torch": torch.__version__, "asked_bytes": BLOCKS * BLOCK_BYTES,
+            "resident_growth": current_rss_bytes() - before}
 
 
 def main() -> None:

@@ -44,9 +44,10 @@ def lora_serving(lora: LoRAConfig, separate_rollout: bool) -> bool:
     """Whether the rollout engine gets the adapters merged into full weights (True) or serves the adapter itself
     (False: only the adapter's tensors move per sync). ``lora.merge`` decides when set; unset: merged. Why: at 7B
     on one H100 the merged sync took 0.13 s of a 17.2 s step (docs/benchmarks.md, "7B LoRA GRPO with the recompute
-    fix"; at 14B 0.26 s), so the most serving could save is ~1%, while vLLM's LoRA kernels run on every decode step and a served adapter makes the engine
-    keep its base weights through sleep (a host copy of the whole model). The served path at size is not measured
-    yet; until it is, merged is the default at every size. The choice is logged."""
+    fix"; at 14B 0.26 s), so the most serving could save is ~1%, while vLLM's LoRA kernels run on every decode
+    step and a served adapter makes the engine keep its base weights through sleep (a host copy of the whole
+    model). The served path at size is not measured yet; until it is, merged is the default at every size. The
+    choice is logged."""
     import logging
 
     merged = True if lora.merge is None else bool(lora.merge)

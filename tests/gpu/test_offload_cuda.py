@@ -51,14 +51,10 @@ def test_offloaded_copies_take_their_own_size_of_host_memory_in_one_reused_buffe
     assert result["rss_growth"] < exact * 1.2  # the rounded copies would take 1.94x
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
 def _host_size_worker(rank):
     from types import SimpleNamespace
 
+    from megarl.checkpoint_io.memory import current_rss_bytes
     from megarl.engines.megatron.offload import offload_engine, reload_engine
 
     size = (33 * 2**20 + 4096) // 2  # bf16 elements
@@ -68,9 +64,9 @@ def _host_size_worker(rank):
     engine = SimpleNamespace(model=[layers], optimizer=None)
     originals = [layer.weight.detach().clone() for layer in layers]
     torch.cuda.synchronize()
-    rss_before = _rss_bytes()
+    rss_before = current_rss_bytes()
     state = offload_engine(engine, params=True, grads=False, optimizer=False)
-    rss_growth = _rss_bytes() - rss_before
+    rss_growth = current_rss_bytes() - rss_before
     backups = [entry.backup for entry in state.entries]
     buffer_ptrs = {b.untyped_storage().data_ptr() for b in backups}
     buffer_bytes = backups[0].untyped_storage().nbytes()
