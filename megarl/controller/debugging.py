@@ -5,7 +5,8 @@
   :func:`break_requested`. The debugger shows the worker, the method's name and its arguments; step in.
 * A call's watchdog (``trainer.worker_timeout_s``) does not fire while one of its ranks sits at a breakpoint:
   at the deadline the worker group reads the pending ranks' stacks (it does so anyway, to report a hang) and
-  when one of them is inside a debugger (:func:`sits_at_breakpoint`) it waits another period instead.
+  when one of them is inside a debugger (:func:`sits_at_breakpoint`), or could not be read while debugging is
+  on, it waits another period instead (:func:`reason_to_wait_on`).
 * With debugging on, the ranks' collectives wait up to :data:`DEBUG_COLLECTIVE_TIMEOUT_S` (the peers of a
   paused rank sit in their next collective), not ``trainer.worker_timeout_s``.
 
@@ -16,7 +17,7 @@ Which debugger, and how debugging is turned on: megarl.controller.ray_cluster (`
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 BREAK_ENV = "MEGARL_BREAK_AT"
 DEBUG_COLLECTIVE_TIMEOUT_S = 24 * 3600.0
@@ -50,6 +51,20 @@ def sits_at_breakpoint(stack: str) -> bool:
             current.append(line)
     main = [frames for frames in threads if frames and "default_worker.py" in frames[-1]]
     return any(marker in line for frames in main for line in frames for marker in _DEBUGGER_FRAMES)
+
+
+def reason_to_wait_on(stacks: Mapping[int, str], unreadable: Sequence[int], debugging: Mapping[int, bool]) -> str | None:
+    """At a call's deadline, given the pending ranks' stacks, the ranks whose stacks could not be read, and
+    whether each rank runs with a debugger on: why the watchdog should wait another period, or None (a hang)."""
+    paused = sorted(rank for rank, stack in stacks.items() if sits_at_breakpoint(stack))
+    if paused:
+        return f"rank(s) {paused} sit at a debugger breakpoint"
+    # With a debugger on, a rank whose stacks could not be read (the read timed out on a loaded node, say) may be
+    # the one a person is stepping through: killing the run under them is the worse mistake.
+    unknown = sorted(rank for rank in unreadable if debugging.get(rank))
+    if unknown:
+        return f"the stacks of rank(s) {unknown} could not be read and debugging is on"
+    return None
 
 
 def debugging_on(environ: Mapping[str, str] | None = None) -> bool:

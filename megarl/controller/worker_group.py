@@ -39,7 +39,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from megarl.controller.debugging import break_requested, sits_at_breakpoint
+from megarl.controller.debugging import break_requested, debugging_on, reason_to_wait_on
 from megarl.controller.device_oom import DeviceOutOfMemory, naming_out_of_memory
 from megarl.controller.host_oom import HostOutOfMemory, is_host_out_of_memory
 from megarl.controller.profiling import stage_range
@@ -135,6 +135,7 @@ class _WorkerHost:
             "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "stack_file": f"/proc/{os.getpid()}/fd/{self._stack_file.fileno()}",
+            "debugging": debugging_on(),
         }
 
     def bind_rendezvous_store(self, timeout_s: float) -> int:
@@ -155,9 +156,8 @@ class _WorkerHost:
             return getattr(self._worker, method_name)(*args, **kwargs)
 
 
-@ray.remote(num_cpus=0)
-def _dump_remote_stacks(pid: int, stack_file: str, settle_s: float = 0.5) -> str:
-    """Runs on the worker's node: make faulthandler in `pid` dump all thread stacks, return the new text."""
+def _dump_stacks_of(pid: int, stack_file: str, settle_s: float = 0.5) -> str:
+    """On the worker's node: make faulthandler in `pid` dump all thread stacks, return the new text."""
     with open(stack_file) as handle:
         start = handle.seek(0, os.SEEK_END)
     os.kill(pid, STACK_DUMP_SIGNAL)
@@ -165,6 +165,11 @@ def _dump_remote_stacks(pid: int, stack_file: str, settle_s: float = 0.5) -> str
     with open(stack_file) as handle:
         handle.seek(start)
         return handle.read()
+
+
+# For ranks on another node than the driver's: a task there (Ray starts a worker process for it, which on a
+# loaded node can take longer than the read is given).
+_dump_remote_stacks = ray.remote(num_cpus=0)(_dump_stacks_of)
 
 
 def _local_device_index(info: dict[str, Any]) -> int:
@@ -478,31 +483,42 @@ class RankCaller:
     def _at_breakpoint(self, pending_ranks: list[int], method: str) -> dict[int, str] | None:
         """At a call's deadline: None when a pending rank sits at a debugger breakpoint (a person stepping
         through it, not a hang: the caller waits another period), else the pending ranks' stacks for the report."""
-        stacks = self._dump_stacks(pending_ranks)
-        paused = [rank for rank, stack in stacks.items() if sits_at_breakpoint(stack)]
-        if not paused:
+        stacks, unreadable = self._dump_stacks(pending_ranks)
+        debugging = {rank: bool(self.worker_infos[rank].get("debugging")) for rank in pending_ranks}
+        reason = reason_to_wait_on(stacks, unreadable, debugging)
+        if reason is None:
             return stacks
-        print(f"[megarl] {self.name}.{method}(): rank(s) {paused} sit at a debugger breakpoint; the call's "
-              f"watchdog (trainer.worker_timeout_s) waits on", flush=True)
+        print(f"[megarl] {self.name}.{method}(): {reason}; the call's watchdog (trainer.worker_timeout_s) waits on",
+              flush=True)
         return None
 
-    def _dump_stacks(self, ranks: list[int], timeout_s: float = 15.0) -> dict[int, str]:
-        """Best effort: ask faulthandler in each pending rank for its stacks (via a task on its node)."""
+    def _dump_stacks(self, ranks: list[int], timeout_s: float = 15.0) -> tuple[dict[int, str], list[int]]:
+        """Best effort: ask faulthandler in each pending rank for its stacks (from here for ranks on the driver's
+        node, by a task on theirs for the others). Returns the stacks, a reason in place of those that could not
+        be read, and the ranks whose stacks could not."""
+        driver_node = ray.get_runtime_context().get_node_id()
         refs = {}
+        stacks, unreadable = {}, []
         for rank in ranks:
             info = self.worker_infos[rank]
             if "stack_file" not in info:
                 continue
+            if info["node_id"] == driver_node:  # read here, no task to start; a task if this process may not
+                try:
+                    stacks[rank] = _dump_stacks_of(info["pid"], info["stack_file"])
+                    continue
+                except OSError:
+                    pass
             refs[rank] = _dump_remote_stacks.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
             ).remote(info["pid"], info["stack_file"])
-        stacks = {}
         for rank, ref in refs.items():
             try:
                 stacks[rank] = ray.get(ref, timeout=timeout_s)
             except (RayError, GetTimeoutError, OSError) as err:
                 stacks[rank] = f"(could not dump stacks: {type(err).__name__}: {err})"
-        return stacks
+                unreadable.append(rank)
+        return stacks, unreadable
 
 class WorkerGroup(RankCaller):
     """One Ray actor per bundle of `pool`, one torch.distributed world; see the module docstring."""

@@ -5,7 +5,7 @@ attached with a DAP client: tests/e2e/trainer/test_worker_debugger.py)."""
 import pytest
 
 from megarl.controller.debugging import (DEBUG_COLLECTIVE_TIMEOUT_S, break_requested, collective_timeout_s,
-                                         sits_at_breakpoint)
+                                         reason_to_wait_on, sits_at_breakpoint)
 from megarl.controller.ray_cluster import build_worker_env, debug_mode
 
 
@@ -61,6 +61,18 @@ def test_a_rank_stopped_in_the_debugger_is_told_from_a_hung_one():
     hung = _dump(["/site-packages/torch/distributed/distributed_c10d.py", *MAIN_BOTTOM], PYDEVD_THREAD)
     assert sits_at_breakpoint(at_breakpoint) and sits_at_breakpoint(waiting_for_client)
     assert not sits_at_breakpoint(hung) and not sits_at_breakpoint("")
+
+
+def test_the_watchdog_waits_on_a_paused_rank_and_on_an_unread_one_only_while_debugging():
+    paused = _dump(["/debugpy/_vendored/pydevd/pydevd.py", *MAIN_BOTTOM])
+    hung = _dump(["/site-packages/torch/distributed/distributed_c10d.py", *MAIN_BOTTOM])
+    unread = "(could not dump stacks: GetTimeoutError: timed out)"
+    assert reason_to_wait_on({0: hung, 1: paused}, [], {0: False, 1: False}) == \
+        "rank(s) [1] sit at a debugger breakpoint"
+    assert reason_to_wait_on({0: hung, 1: unread}, [1], {0: True, 1: True}) == \
+        "the stacks of rank(s) [1] could not be read and debugging is on"
+    assert reason_to_wait_on({0: hung, 1: unread}, [1], {0: False, 1: False}) is None  # a hang, reported
+    assert reason_to_wait_on({0: hung}, [], {0: True}) is None  # read and not in a debugger: a hang even so
 
 
 def test_collectives_wait_a_day_only_while_debugging():
