@@ -3,7 +3,7 @@
 #
 # Sourced by the slurm/grpo_*.sh job scripts, which call:  megarl_run_on_slurm <config.yaml> [overrides...]
 # The first node of $SLURM_JOB_NODELIST is the Ray head (the batch script runs there, and so does the driver);
-# every other node runs a Ray worker, started once the head's GCS port accepts connections. Each node's
+# every other node runs a Ray worker, started once the head says it has started. Each node's
 # `ray start --block` runs as one srun step, logging to $LOG_DIR/<node>.log. SIGTERM/SIGINT (scancel, the --signal warning before the time limit) reach the driver,
 # which finishes its step, writes a checkpoint and exits 0 (then the job exits 0: COMPLETED), then Ray stops on
 # every node. Nodes authenticate with a per-job Ray token in $LOG_DIR (needs a shared filesystem).
@@ -17,7 +17,7 @@
 #   MEGARL_RAY_HEAD_IP           head address [first non-loopback IPv4 of the head; loopback only for one node]
 #   MEGARL_RAY_TEMP_DIR          Ray session/socket dir [/tmp/ray_$SLURM_JOB_ID]; keep it short (socket paths)
 #   MEGARL_RAY_NODE_ARGS         extra `ray start` arguments, expanded on each node (so may differ per node)
-#   MEGARL_RAY_WAIT_TIMEOUT_S    how long to wait for the head to listen, then for all nodes to join [600]
+#   MEGARL_RAY_WAIT_TIMEOUT_S    how long to wait for the head to start, then for all nodes to join [600]
 #   MEGARL_RAY_STOP_GRACE_S      seconds between SIGTERM and SIGKILL when stopping Ray [30]
 #   MEGARL_DRIVER_STOP_GRACE_S   seconds the driver gets to finish its step and checkpoint on SIGTERM [240]
 #   LOG_DIR                      per-node logs, token [logs/slurm-$SLURM_JOB_ID]
@@ -96,18 +96,20 @@ megarl_start_ray_node() {
     megarl_log "started ray $role on $node (srun pid $!, log $LOG_DIR/$node.log)"
 }
 
-# Workers join through the head's GCS, and a worker's `ray start` gives up after a few seconds without it (a
-# worker started beside the head on a loaded 2-core machine never joined): they start once the head's port
-# accepts connections. 1 when the head exits first or does not listen within MEGARL_RAY_WAIT_TIMEOUT_S.
+# Workers join through the head's GCS and ask it for the head node's record, and a worker's `ray start` gives up
+# when that takes long (a worker started beside the head on a loaded 2-core machine never joined; one started
+# once the head's port listened still failed with "No node info found for head node"): they start once the
+# head's `ray start` has said "Ray runtime started.", which it says after its own node is registered. 1 when the
+# head exits first or does not get there within MEGARL_RAY_WAIT_TIMEOUT_S.
 megarl_wait_for_head() {
     local head="$1" head_pid="$2" deadline=$((SECONDS + ${MEGARL_RAY_WAIT_TIMEOUT_S:-600}))
-    until timeout 2 bash -c 'exec 3<>"/dev/tcp/$1/$2"' head-probe "$MEGARL_HEAD_IP" "$MEGARL_RAY_PORT" 2>/dev/null; do
+    until grep -q "Ray runtime started" "$LOG_DIR/$head.log" 2>/dev/null; do
         if ! kill -0 "$head_pid" 2>/dev/null; then
-            megarl_log "ray head on $head exited before it listened on $MEGARL_HEAD_IP:$MEGARL_RAY_PORT (log $LOG_DIR/$head.log)"
+            megarl_log "ray head on $head exited before it started on $MEGARL_HEAD_IP:$MEGARL_RAY_PORT (log $LOG_DIR/$head.log)"
             return 1
         fi
         if ((SECONDS >= deadline)); then
-            megarl_log "ray head on $head did not listen on $MEGARL_HEAD_IP:$MEGARL_RAY_PORT within" \
+            megarl_log "ray head on $head did not start on $MEGARL_HEAD_IP:$MEGARL_RAY_PORT within" \
                 "${MEGARL_RAY_WAIT_TIMEOUT_S:-600} s (MEGARL_RAY_WAIT_TIMEOUT_S; log $LOG_DIR/$head.log)"
             return 1
         fi

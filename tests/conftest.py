@@ -35,6 +35,19 @@ TIERS = {"unit": pytest.mark.unit, "distributed": pytest.mark.distributed, "e2e"
          "gpu": pytest.mark.gpu}
 
 
+# The order files start in under xdist, longest first: a file is one unit of work (``--dist loadfile``), and
+# the run ends when the worker that got the last long file ends it. xdist's own order (most tests first) put
+# the single-test real-Slurm launch (the longest file, ~4 min) among the last, with the other worker idle
+# beside it. The launch tests are the longest single tests, then whole training runs, then components; the
+# unit tests, hundreds of short files, fill in at the end.
+START_ORDER = ("e2e/launch", "e2e", "distributed", "gpu", "unit")
+
+
+def _start_rank(path: Path) -> int:
+    relative = path.relative_to(TESTS).as_posix()
+    return next(rank for rank, prefix in enumerate(START_ORDER) if relative.startswith(prefix + "/"))
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath)).resolve()
@@ -45,6 +58,7 @@ def pytest_collection_modifyitems(config, items):
             # `pytest tests/gpu` is what runs on the lent GPU: a GPU test anywhere else would never run there
             raise pytest.UsageError(f"{item.nodeid}: a test marked gpu lives in tests/gpu/")
         item.add_marker(TIERS[tier])
+    items.sort(key=lambda item: _start_rank(Path(str(item.fspath)).resolve()))  # stable: a file's order kept
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +84,10 @@ LOCKS_DIR_ENV = "MEGARL_TEST_LOCKS"  # the xdist run's lock files' folder, made 
 
 def pytest_configure(config):
     """The controller of an xdist run (it has workers to start, and is not one) makes the folder of the run's lock
-    files; its workers inherit the variable naming it, and the controller removes it once they have all ended."""
+    files; its workers inherit the variable naming it, and the controller removes it once they have all ended.
+    Files start in the order collected (``START_ORDER``), not in xdist's (most tests first)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         os.environ[LOCKS_DIR_ENV] = config._megarl_locks_dir = tempfile.mkdtemp(prefix="megarl-test-locks-")
 

@@ -29,8 +29,14 @@ def _status_kib(field: str) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """VmHWM: the most resident memory this process has held so far."""
+    """VmHWM: the most resident memory this process has held so far (or since :func:`reset_peak_rss`)."""
     return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Set this process's VmHWM to its resident size now (Linux 4.0 and later; OSError where it cannot)."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
 
 
 def current_rss_bytes() -> int:

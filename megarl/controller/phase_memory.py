@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import torch
 
+from megarl.checkpoint_io.memory import peak_rss_bytes, reset_peak_rss
+
 _GB = 1e9
 
 
@@ -35,7 +37,7 @@ class PhaseMemory:
     @contextlib.contextmanager
     def track(self, phase: str) -> Iterator[None]:
         if self.host_enabled:
-            _reset_host_peak()
+            reset_peak_rss()
         if self.device_enabled:
             torch.cuda.reset_peak_memory_stats()
             reserved_at_start = torch.cuda.memory_reserved()
@@ -49,7 +51,7 @@ class PhaseMemory:
                 self.peaks[f"memory/{phase}/peak_gb"] = max(used_at_start + growth, used_at_end) / _GB
                 self.peaks[f"memory/{phase}/device_used_gb"] = used_at_end / _GB
             if self.host_enabled:
-                self.peaks[f"memory/{phase}/host_peak_gb"] = host_peak_bytes() / _GB
+                self.peaks[f"memory/{phase}/host_peak_gb"] = peak_rss_bytes() / _GB
 
     def as_metrics(self) -> dict[str, float]:
         """What was recorded since the last call (then forgotten: one step's phases at a time)."""
@@ -62,29 +64,10 @@ def _device_used() -> int:
     return total - free
 
 
-_STATUS = "/proc/self/status"
-_CLEAR_REFS = "/proc/self/clear_refs"
-
-
 def _host_peak_resettable() -> bool:
     try:
-        _reset_host_peak()
-        host_peak_bytes()
-    except (OSError, ValueError):  # not Linux, or /proc without the peak-RSS reset (kernels before 4.0)
+        reset_peak_rss()
+        peak_rss_bytes()
+    except (OSError, RuntimeError):  # not Linux, or /proc without the peak-RSS reset (kernels before 4.0)
         return False
     return True
-
-
-def _reset_host_peak() -> None:
-    """Set this process's resident high-water mark (VmHWM) to its resident size now."""
-    with open(_CLEAR_REFS, "w") as f:
-        f.write("5")
-
-
-def host_peak_bytes() -> int:
-    """The most memory this process has held resident since it started or since the last reset."""
-    with open(_STATUS) as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    raise ValueError(f"{_STATUS} has no VmHWM line")

@@ -228,7 +228,7 @@ def test_dry_run_places_ranks_on_both_nodes(sim):
 @pytest.mark.timeout(240)
 def test_workers_wait_for_the_head_and_a_head_that_dies_is_named(sim):
     # An argument `ray start` refuses, on the head's node only: the head exits at once. The workers, which start
-    # only once the head listens, never start; the job says which node and which log, long before
+    # only once the head has started, never start; the job says which node and which log, long before
     # MEGARL_RAY_WAIT_TIMEOUT_S.
     head_env = sim.log_dir.parent / "sim" / "nodes" / "simnode1.env"
     head_env.write_text(head_env.read_text() + 'MEGARL_RAY_NODE_ARGS="$MEGARL_RAY_NODE_ARGS --no-such-ray-flag"\n')
@@ -236,7 +236,7 @@ def test_workers_wait_for_the_head_and_a_head_that_dies_is_named(sim):
     rc = wait_or_explain(proc, sim, 120)
     output = sim.output.read_text()
     assert rc == 1, output
-    assert "ray head on simnode1 exited before it listened" in output and "simnode1.log" in output, output
+    assert "ray head on simnode1 exited before it started" in output and "simnode1.log" in output, output
     assert "started ray worker" not in output, output
     assert "no-such-ray-flag" in (sim.log_dir / "simnode1.log").read_text()
     assert wait_until_gone(sim.markers, 30) == []
@@ -245,7 +245,7 @@ def test_workers_wait_for_the_head_and_a_head_that_dies_is_named(sim):
 @pytest.mark.timeout(240)
 def test_too_small_cluster_fails_with_what_is_missing(sim):
     # Each node gets 1 CPU but the run wants 2 worker processes per node.
-    proc = sim("--dry-run", MEGARL_SLURM_CPUS_PER_NODE="1", MEGARL_RAY_WAIT_TIMEOUT_S="25")
+    proc = sim("--dry-run", MEGARL_SLURM_CPUS_PER_NODE="1")
     rc = wait_or_explain(proc, sim, 200)
     output = sim.output.read_text()
     assert rc == 1, output
