@@ -105,7 +105,8 @@ megarl_wait_for_head() {
     local head="$1" head_pid="$2" deadline=$((SECONDS + ${MEGARL_RAY_WAIT_TIMEOUT_S:-600}))
     until grep -q "Ray runtime started" "$LOG_DIR/$head.log" 2>/dev/null; do
         if ! kill -0 "$head_pid" 2>/dev/null; then
-            megarl_log "ray head on $head exited before it started on $MEGARL_HEAD_IP:$MEGARL_RAY_PORT (log $LOG_DIR/$head.log)"
+            megarl_log "ray head on $head exited before it started on $MEGARL_HEAD_IP:$MEGARL_RAY_PORT" \
+                "(log $LOG_DIR/$head.log)"
             return 1
         fi
         if ((SECONDS >= deadline)); then

@@ -53,7 +53,8 @@ def sits_at_breakpoint(stack: str) -> bool:
     return any(marker in line for frames in main for line in frames for marker in _DEBUGGER_FRAMES)
 
 
-def reason_to_wait_on(stacks: Mapping[int, str], unreadable: Sequence[int], debugging: Mapping[int, bool]) -> str | None:
+def reason_to_wait_on(stacks: Mapping[int, str], unreadable: Sequence[int],
+                      debugging: Mapping[int, bool]) -> str | None:
     """At a call's deadline, given the pending ranks' stacks, the ranks whose stacks could not be read, and
     whether each rank runs with a debugger on: why the watchdog should wait another period, or None (a hang)."""
     paused = sorted(rank for rank, stack in stacks.items() if sits_at_breakpoint(stack))

@@ -482,7 +482,8 @@ class RankCaller:
 
     def _at_breakpoint(self, pending_ranks: list[int], method: str) -> dict[int, str] | None:
         """At a call's deadline: None when a pending rank sits at a debugger breakpoint (a person stepping
-        through it, not a hang: the caller waits another period), else the pending ranks' stacks for the report."""
+        through it, not a hang: the caller waits another period) or may (see ``reason_to_wait_on``), else the
+        pending ranks' stacks for the report."""
         stacks, unreadable = self._dump_stacks(pending_ranks)
         debugging = {rank: bool(self.worker_infos[rank].get("debugging")) for rank in pending_ranks}
         reason = reason_to_wait_on(stacks, unreadable, debugging)
