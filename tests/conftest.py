@@ -49,6 +49,7 @@ def _start_rank(path: Path) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    start_rank = {}
     for item in items:
         path = Path(str(item.fspath)).resolve()
         tier = path.relative_to(TESTS).parts[0] if TESTS in path.parents else None
@@ -58,7 +59,8 @@ def pytest_collection_modifyitems(config, items):
             # `pytest tests/gpu` is what runs on the lent GPU: a GPU test anywhere else would never run there
             raise pytest.UsageError(f"{item.nodeid}: a test marked gpu lives in tests/gpu/")
         item.add_marker(TIERS[tier])
-    items.sort(key=lambda item: _start_rank(Path(str(item.fspath)).resolve()))  # stable: a file's order kept
+        start_rank[item.nodeid] = _start_rank(path)
+    items.sort(key=lambda item: start_rank[item.nodeid])  # stable: a file's order kept
 
 
 @pytest.fixture(scope="session")

@@ -156,19 +156,25 @@ class _WorkerHost:
             return getattr(self._worker, method_name)(*args, **kwargs)
 
 
-def _dump_stacks_of(pid: int, stack_file: str, settle_s: float = 0.5) -> str:
-    """On the worker's node: make faulthandler in `pid` dump all thread stacks, return the new text."""
-    with open(stack_file) as handle:
-        start = handle.seek(0, os.SEEK_END)
-    os.kill(pid, STACK_DUMP_SIGNAL)
+def _dump_stacks_of(targets: dict[int, tuple[int, str]], settle_s: float = 0.5) -> dict[int, str]:
+    """On the workers' node: make faulthandler in each process (rank -> (pid, stack file)) dump all thread
+    stacks, and return each one's new text; every process is signalled before the one wait for the dumps."""
+    starts = {}
+    for rank, (pid, stack_file) in targets.items():
+        with open(stack_file) as handle:
+            starts[rank] = handle.seek(0, os.SEEK_END)
+        os.kill(pid, STACK_DUMP_SIGNAL)
     time.sleep(settle_s)
-    with open(stack_file) as handle:
-        handle.seek(start)
-        return handle.read()
+    stacks = {}
+    for rank, (_, stack_file) in targets.items():
+        with open(stack_file) as handle:
+            handle.seek(starts[rank])
+            stacks[rank] = handle.read()
+    return stacks
 
 
-# For ranks on another node than the driver's: a task there (Ray starts a worker process for it, which on a
-# loaded node can take longer than the read is given).
+# For ranks on another node than the driver's: a task there, one per node (Ray starts a worker process for it,
+# which on a loaded node can take longer than the read is given).
 _dump_remote_stacks = ray.remote(num_cpus=0)(_dump_stacks_of)
 
 
@@ -498,27 +504,29 @@ class RankCaller:
         node, by a task on theirs for the others). Returns the stacks, a reason in place of those that could not
         be read, and the ranks whose stacks could not."""
         driver_node = ray.get_runtime_context().get_node_id()
-        refs = {}
-        stacks, unreadable = {}, []
+        by_node: dict[str, dict[int, tuple[int, str]]] = {}
         for rank in ranks:
             info = self.worker_infos[rank]
-            if "stack_file" not in info:
-                continue
-            if info["node_id"] == driver_node:  # read here, no task to start; a task if this process may not
+            if "stack_file" in info:
+                by_node.setdefault(info["node_id"], {})[rank] = (info["pid"], info["stack_file"])
+        stacks, unreadable, refs = {}, [], {}
+        for node_id, targets in by_node.items():
+            if node_id == driver_node:  # read here, no task to start; a task if this process may not
                 try:
-                    stacks[rank] = _dump_stacks_of(info["pid"], info["stack_file"])
+                    stacks.update(_dump_stacks_of(targets))
                     continue
                 except OSError:
                     pass
-            refs[rank] = _dump_remote_stacks.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["node_id"], soft=False)
-            ).remote(info["pid"], info["stack_file"])
-        for rank, ref in refs.items():
+            refs[node_id] = _dump_remote_stacks.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            ).remote(targets)
+        for node_id, ref in refs.items():
             try:
-                stacks[rank] = ray.get(ref, timeout=timeout_s)
+                stacks.update(ray.get(ref, timeout=timeout_s))
             except (RayError, GetTimeoutError, OSError) as err:
-                stacks[rank] = f"(could not dump stacks: {type(err).__name__}: {err})"
-                unreadable.append(rank)
+                for rank in by_node[node_id]:
+                    stacks[rank] = f"(could not dump stacks: {type(err).__name__}: {err})"
+                    unreadable.append(rank)
         return stacks, unreadable
 
 class WorkerGroup(RankCaller):
