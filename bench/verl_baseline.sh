@@ -13,8 +13,13 @@
 # step OOMs on the GPU, FSDP2's offload_policy OOMs the host; docs/benchmarks.md); on an H200 try it with
 #   VERL_EXTRA="..." extra verl overrides (e.g. "actor_rollout_ref.actor.strategy=fsdp2
 #   actor_rollout_ref.actor.fsdp_config.offload_policy=true"), TAG=_fsdp2 a suffix of the log's name.
-# LORA_RANK=32 (LORA_ALPHA, default 64): verl's LoRA GRPO on all linear layers, against bench/run_device.sh lora's
-# MERGE=true run (verl's FSDP LoRA syncs the merged weights into vLLM too).
+# LORA_RANK=32 (LORA_ALPHA, default 64): verl's LoRA GRPO on all linear layers as its users get it (verl's
+# actor_rollout_ref.model.lora.merge defaults to false: vLLM serves the adapter, the base is synced once), against
+# bench/run_device.sh lora's runs; VERL_EXTRA="actor_rollout_ref.model.lora.merge=true" syncs merged weights.
+# verl's served-adapter sync gathers the base on the host (fsdp_utils.collect_lora_params) and hands a tensor
+# larger than its bucket to vLLM by CUDA IPC, which a host tensor cannot go through: at 7B the fp32 embedding
+# (2.2 GB) is above the 2,048 MB default and vLLM's worker failed in verl's rebuild_ipc (IndexError, 2026-12-07).
+# With LoRA the bucket is 4,096 MB, so every tensor is copied through it.
 set -uo pipefail
 SHAPE=${SHAPE:-0.5b}; WORK=/tmp/megarl_e2e/$SHAPE; OUT=${OUT:-/tmp}; VERL_WHEELS=${VERL_WHEELS:-.verl}
 LOG="$OUT/verl_$SHAPE${TAG:-}.log"
@@ -60,6 +65,8 @@ if tokenizer.encode(text, add_special_tokens=False) != [int(w[1:]) for w in word
     sys.exit(f"verl's tokenizer in {tok_dir} does not give the prompt's token ids: verl would see other prompts")
 PY
 python3 -c "import verl; print('verl', verl.__version__)" || exit 1
+LORA_BUCKET=""
+[ "${LORA_RANK:-0}" -gt 0 ] && LORA_BUCKET="actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096"
 timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=false \
   data.train_files="$WORK/verl_prompts.parquet" data.val_files="$WORK/verl_prompts.parquet" \
@@ -80,7 +87,7 @@ timeout "${VERL_TIMEOUT:-480}" python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="${LOGPROB_TOKENS:-32768}" ++actor_rollout_ref.rollout.ignore_eos=true \
   trainer.logger='["console"]' trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps="${STEPS:-4}" \
   trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false trainer.project_name=verl_baseline trainer.use_v1=false \
-  trainer.experiment_name="$SHAPE" ${VERL_EXTRA:-} > "$LOG" 2>&1
+  trainer.experiment_name="$SHAPE" $LORA_BUCKET ${VERL_EXTRA:-} > "$LOG" 2>&1
 rc=$?
 echo "verl rc=$rc"
 grep -E "step:|timing_s/(gen|old_log_prob|update_actor|update_weights|step)|perf/throughput" "$LOG" | tail -20

@@ -11,7 +11,10 @@ Training state (Megatron DDP with fp32 grad buffers, Adam):
   the host) each of its parameters also keeps an fp32 copy of its grad (4 B): the host holds f x 16 B/param
   (pinned grads included), the GPU (1 - f) x 16 B/param, alive across steps. Host memory of a node is that
   host share plus what the rollout phase parks there (params, the GPU optimizer share; grads are dropped), per
-  GPU of the node; checked when ``host_memory_gib`` is given.
+  GPU of the node, plus each worker process's own resident memory (``host_process_overhead_gib``: torch's,
+  CUDA's and megatron's libraries and the in-process rollout engine's; 2.9 GiB beyond the parked base in the 14B
+  LoRA run's worker at its first generation on the H100, docs/benchmarks.md); checked when ``host_memory_gib``
+  is given.
   Measured for this case: the 7B run on one H100 (docs/benchmarks.md, "7B on one GPU"): rollout, log-prob and
   update phases within 0.2-2.7% (tests/unit/plan/test_offloaded_optimizer_plan.py).
   Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
@@ -62,7 +65,7 @@ A fixed framework_overhead_gib (CUDA context, NCCL buffers, allocator cache and 
 ``nvidia-smi`` sees beyond ``torch.cuda.max_memory_allocated``) is added to every phase; use 0 to compare with
 the allocator's own peak. ``KernelSpec`` says which kernels run (flash vs materialized attention, fused vs
 torch-composite SwiGLU/RMSNorm); ``KernelSpec.megatron_local`` is megarl's local-spec engine as it runs today.
-Leaves out: host memory beyond the optimizer and the parked state (the processes themselves), dynamic batching,
+Leaves out: host memory of the driver, Ray and the page cache, dynamic batching,
 activation offload, FP8 training, pipeline bubbles in time, the
 optimizer step's transients beyond torch's foreach Adam's one fp32 tensor the size of what it steps on the device
 (counted where it exceeds the activations it follows: the 7B run with 25% of Adam on the GPU).
@@ -398,6 +401,7 @@ def plan_layout(
     framework_overhead_gib: float = 3.0,
     kernels: KernelSpec = KernelSpec(),
     host_memory_gib: float | None = None,
+    host_process_overhead_gib: float = 2.9,
     gpus_per_node: int = 8,
 ) -> PlanReport:
     """Check ``layout`` against the model in ``hf_config`` and estimate per-GPU memory of every RL phase."""
@@ -582,6 +586,8 @@ def plan_layout(
     worst_host = max(host_per_stage, key=lambda h: sum(h.values()))
     gpus_per_node = min(layout.world_size, gpus_per_node)
     report.host = {name: value * gpus_per_node for name, value in worst_host.items() if value}
+    report.host["worker processes (libraries, CUDA context, rollout engine)"] = (
+        host_process_overhead_gib * GIB * gpus_per_node)
     if host_memory_gib is not None and report.host_total > host_memory_gib * GIB:
         top = sorted(report.host.items(), key=lambda kv: -kv[1])
         errors.append(

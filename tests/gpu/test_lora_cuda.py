@@ -7,7 +7,8 @@ handed over as device tensors.
 * vLLM (bf16, in process, in a spawned process of its own): a zero-B adapter gives the base model's tokens and log-probs bitwise; an
   adapter moves them; loading a second adapter and then the first again gives the first's first-token log-probs
   back (the in-memory load replaces the adapter, nothing stale stays); the adapter load time is printed (the issue's
-  <= 50 ms goal is measured at 7B-32B by bench/run_device.sh lora).
+  <= 50 ms goal is measured at 7B-32B by bench/run_device.sh lora); base weights synced into the engine that serves
+  LoRA load (direct, through the LoRA wrappers' names) and another model's weights are replaced exactly.
 Skipped without CUDA (CI); vLLM's part also without vLLM.
 """
 
@@ -55,9 +56,18 @@ def test_vllm_serves_adapters_from_device_tensors(tmp_path):
     first_lp = torch.tensor([lp[0] for lp in with_first[1]])
     assert (torch.tensor([lp[0] for lp in again[1]]) - first_lp).abs().max() < 0.05  # the first is back
     assert (torch.tensor([lp[0] for lp in with_third[1]]) - first_lp).abs().max() > 0.1  # the third replaced it
+    # base weights synced into the engine that serves LoRA (lora.merge=false sends the base once; on CUDA a direct
+    # load, whose vLLM 0.26 loaders need the LoRA wrappers' names): another model's weights change the tokens, the
+    # first model's bring them back bitwise (a direct load copies)
+    assert result["reload"] == "direct"
+    assert result["other_base"] != base
+    assert result["base_again"] == base
 
 
 def _vllm_lora_world(rank, model_dir):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megarl.engines.rollout.base import SamplingConfig
@@ -93,6 +103,14 @@ def _vllm_lora_world(rank, model_dir):
             return [o.token_ids for o in outputs], [o.log_probs for o in outputs]
 
         out = {"base": run()}
+        other_dir = Path(model_dir) / "other"
+        torch.manual_seed(1)
+        Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).save_pretrained(other_dir, safe_serialization=True)
+        for key, weights_dir in (("other_base", other_dir), ("base_again", Path(model_dir))):
+            engine.update_weights([(n, t.cuda()) for n, t in load_file(weights_dir / "model.safetensors").items()])
+            engine.finish_weight_update()
+            out[key] = run()
+        out["reload"] = engine.weight_reload_taken
         engine.load_adapter(adapter(1, zero_b=True), config)
         out["zero_b"] = run()
         first = adapter(2)

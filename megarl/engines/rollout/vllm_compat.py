@@ -17,7 +17,8 @@ the range ``setup.py``'s ``vllm`` extra names. What differs between them, or is 
 * LoRA from tensors in memory (:func:`add_lora_from_tensors`): vLLM loads adapters from a directory; the
   worker's LoRA manager is handed a ``LoRAModel`` built from the tensors instead (``LoRAModel`` moved from
   ``vllm.lora.models`` to ``vllm.lora.lora_model``); ``max_lora_rank`` takes only some values
-  (:func:`lora_rank_slot`).
+  (:func:`lora_rank_slot`). Base weights synced into an engine that serves LoRA need the wrappers' names
+  (:func:`lora_base_layer_names`).
 
 * a warning vLLM's layerwise reload logs on every healthy reload ("RotaryEmbedding: Failed to load weights":
   the rotary cache is a buffer no checkpoint holds, and vLLM keeps it): filtered, with the reason logged once
@@ -33,7 +34,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
-from typing import Optional
+from typing import Callable, Optional
 
 from megarl.engines.rollout.process_env import environment_set
 
@@ -137,6 +138,53 @@ def layerwise_reload():
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
     return initialize_layerwise_reload, finalize_layerwise_reload
+
+
+def lora_base_layer_names(model) -> Callable[[str], str]:
+    """How checkpoint names reach ``model.load_weights`` once vLLM serves LoRA. vLLM wraps each LoRA target
+    (``qkv_proj``, ``o_proj``, ...) in a ``...WithLoRA`` module after loading the checkpoint, so the linear's
+    weight becomes ``<module>.base_layer.weight``. Later vLLMs (0.32) give the wrapper a ``load_weights`` that
+    hands checkpoint names to its base layer: names pass unchanged. vLLM 0.26's wrapper has none, and its
+    loaders then find no ``<module>.weight`` ("There is no module or parameter named ..."): there the names go
+    through :func:`names_through_lora_wrappers`."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    if "load_weights" in vars(BaseLayerWithLoRA):
+        return lambda name: name
+    return names_through_lora_wrappers(model)
+
+
+def names_through_lora_wrappers(model) -> Callable[[str], str]:
+    """A renaming that puts ``base_layer`` into the name of every weight or bias whose module (after the
+    model's own HF-to-vLLM renaming: ``q_proj`` -> ``qkv_proj``) is one of vLLM's LoRA wrappers, and leaves
+    every other name as it is; the loaders' own renaming then still applies (``q_proj.base_layer`` ->
+    ``qkv_proj.base_layer``). Expert weights of a LoRA-wrapped fused-MoE layer are not renamed: their
+    module is the expert list, not the wrapper."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    wrapped = {name for name, module in model.named_modules() if isinstance(module, BaseLayerWithLoRA)}
+    if not wrapped:
+        return lambda name: name
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    # models that fuse in their own load_weights instead of a mapper: q_proj -> qkv_proj from the packing table
+    packed_into = {part: fused for fused, parts in getattr(model, "packed_modules_mapping", {}).items()
+                   for part in parts}
+
+    def rename(name: str) -> str:
+        module_path, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", "bias") or not module_path:
+            return name
+        candidates = {module_path}
+        if mapper is not None:
+            mapped = mapper._map_name(name)  # vLLM 0.26's only name-mapping call (0.32 also has map_name)
+            if mapped is not None:
+                candidates.add(mapped.rpartition(".")[0])
+        parent, _, module_name = module_path.rpartition(".")
+        if module_name in packed_into:
+            candidates.add(f"{parent}.{packed_into[module_name]}" if parent else packed_into[module_name])
+        return f"{module_path}.base_layer.{leaf}" if candidates & wrapped else name
+
+    return rename
 
 
 _LORA_RANK_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from megarl.engines.rollout.vllm_compat import (WEIGHT_RELOAD_MODES, add_lora_from_tensors, layerwise_reload,
-                                                loads_in_place)
+                                                loads_in_place, lora_base_layer_names)
 
 
 def encode_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> bytes:
@@ -69,6 +69,8 @@ class MegarlWeightUpdateExtension:
             initialize, _ = layerwise_reload()
             with set_current_vllm_config(self.vllm_config):
                 initialize(model)
+        # how checkpoint names reach the linears that vLLM wrapped for LoRA (unchanged where nothing is wrapped)
+        self._megarl_checkpoint_name = lora_base_layer_names(model)
         return mode
 
     def megarl_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -76,8 +78,9 @@ class MegarlWeightUpdateExtension:
         from vllm.config import set_current_vllm_config
 
         model = self.model_runner.get_model()
+        rename = self._megarl_checkpoint_name
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            model.load_weights(named_tensors)
+            model.load_weights([(rename(name), tensor) for name, tensor in named_tensors])
 
     def megarl_load_weight_blob(self, blob: bytes) -> None:
         """Load one bucket serialized by :func:`encode_bucket` (engine core in another process)."""

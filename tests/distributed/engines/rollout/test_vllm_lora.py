@@ -98,3 +98,34 @@ def test_the_exported_peft_directory_is_what_vllm_loads_from_disk(vllm_engine, t
     from_disk = vllm_engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False,
                                          lora_request=LoRARequest("from-disk", 7, str(tmp_path / "adapter")))
     assert [list(r.outputs[0].token_ids) for r in from_disk] == [o.token_ids for o in served]
+
+
+def test_base_weights_reach_the_wrapped_linears_by_name(vllm_engine, tiny_qwen2_dir):
+    """A base sync into an engine that serves LoRA (lora.merge=false, the base sent once): vLLM wrapped its LoRA
+    targets after loading the checkpoint, so their weights are ``<module>.base_layer.weight``. vLLM 0.26's
+    loaders look names up that way and refused ``o_proj.weight`` at 14B on the H100 (2026-12-07). Every
+    checkpoint name, renamed by ``names_through_lora_wrappers`` and then by vLLM's own HF-to-vLLM mapping, must
+    name a parameter of the wrapped model. This CPU build's wrappers take the plain names themselves
+    (``lora_base_layer_names`` leaves them), which the served e2e test loads."""
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(tiny_qwen2_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names += list(f.keys())
+
+    def resolve(worker):
+        from megarl.engines.rollout.vllm_compat import names_through_lora_wrappers
+
+        model = worker.model_runner.get_model()
+        rename = names_through_lora_wrappers(model)
+        params = dict(model.named_parameters())
+        return {name: (rename(name), model.hf_to_vllm_mapper._map_name(rename(name)) in params) for name in names}
+
+    resolved = vllm_engine.llm.collective_rpc(resolve)[0]
+    unresolved = {name: new for name, (new, found) in resolved.items() if not found}
+    assert not unresolved, f"checkpoint names that reach no parameter of the LoRA-wrapped model: {unresolved}"
+    renamed = {name for name, (new, _) in resolved.items() if new != name}
+    # exactly the seven projections of each layer (and q/k/v's biases): the norms and embeddings keep their names
+    assert renamed == {f"model.layers.{layer}.{module}.weight" for layer in range(2) for module in PROJECTIONS} | {
+        f"model.layers.{layer}.self_attn.{p}_proj.bias" for layer in range(2) for p in "qkv"}
