@@ -13,7 +13,8 @@ What it does, in one process (the driver):
    sleep mode; the first step is warm-up and left out of the means;
 3. ``--gen-alone``: after the run (Ray and its GPU memory gone), the same prompts and sampling through a
    plain ``vllm.LLM`` (its own engine-core process, CUDA graphs): vLLM's generation alone. ``--gen-only`` runs
-   this step and nothing else, ``--quantization fp8`` has vLLM quantize the weights at load (FP8 beside bf16).
+   this step and nothing else, ``--quantization fp8`` has vLLM quantize the weights at load (FP8 beside bf16),
+   ``--kv-cache-dtype fp8`` keeps its KV cache in FP8.
 
 Reported (JSON to ``--out`` and a table on stdout): per-stage seconds (mean of the steady steps), tokens/s/GPU
 in verl's definition (``perf/throughput``: prompt + response tokens of the step / step seconds / GPUs),
@@ -189,6 +190,7 @@ def generate_alone(args, work: Path) -> dict:
     llm = LLM(model=str(work / "model"), tokenizer=str(work / "tok"), dtype="bfloat16",
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=args.prompt_len + args.response_len, seed=0, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype,
               load_format="dummy" if args.random_init else "auto")  # --random-init wrote no weights
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_len, ignore_eos=True, logprobs=0,
                             detokenize=False)
@@ -201,7 +203,7 @@ def generate_alone(args, work: Path) -> dict:
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     llm.llm_engine.engine_core.shutdown()
     return {"gen_alone_s": min(times), "gen_alone_output_tok_s": tokens / min(times), "gen_alone_tokens": tokens,
-            "gen_alone_quantization": args.quantization}
+            "gen_alone_quantization": args.quantization, "gen_alone_kv_cache_dtype": args.kv_cache_dtype}
 
 
 def update_mfu(hf_cfg: dict, args, means: dict, *, lora: bool) -> dict:
@@ -259,6 +261,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--gen-alone", action="store_true")
     parser.add_argument("--gen-only", action="store_true", help="plain vLLM's generation only, no trainer")
     parser.add_argument("--quantization", help="plain vLLM's weight quantization (fp8), with --gen-alone/--gen-only")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="plain vLLM's KV cache dtype (fp8; the trainer's: rollout.engine_kwargs.vllm.kv_cache_dtype)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--random-init", action="store_true",
                         help="no weights on disk: config.json only, megatron's random init, vLLM dummy weights")

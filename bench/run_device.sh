@@ -123,11 +123,15 @@ elif [ "$MODE" = big ] || [ "$MODE" = moe ]; then  # GRPO at $MODELS (default 7b
   done
 elif [ "$MODE" = pinned ]; then  # host memory of page-locked copies: torch's rounding, its knobs, megarl's buffer
   step pinned_host_probe timeout 300 python3 -m bench.pinned_host_probe --out "$OUT/pinned_host_probe.json"
-elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; "30b-a3b" cut to $LAYERS), bf16 then FP8
+elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; "30b-a3b" cut to $LAYERS), $QUANT (bf16,fp8)
   for model in $(echo "${MODELS:-7b}" | tr , ' '); do
     LAYER_ARGS=""; [ "$model" = 30b-a3b ] && LAYER_ARGS="--layers ${LAYERS:-8}"
-    for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do
-      QUANT_ARG=""; [ "$quant" = bf16 ] || QUANT_ARG="--quantization $quant"
+    for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do  # fp8kv: FP8 weights and an FP8 KV cache
+      case $quant in
+        bf16) QUANT_ARG="" ;;
+        fp8kv) QUANT_ARG="--quantization fp8 --kv-cache-dtype fp8" ;;
+        *) QUANT_ARG="--quantization $quant" ;;
+      esac
       step "gen_${model}_$quant" timeout "${GEN_TIMEOUT:-400}" python3 -m bench.e2e_grpo --shape "$model" $LAYER_ARGS \
         --random-init --gen-only $QUANT_ARG \
         --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \

@@ -198,6 +198,8 @@ class RolloutEngineKwargs:
     megarl's keys (which win: an option megarl sets is refused here)."""
 
     sglang: dict[str, Any] = field(default_factory=dict)  # sglang.Engine's ServerArgs fields
+    # vllm.LLM's engine arguments, e.g. kv_cache_dtype=fp8 (an FP8 KV cache: half the cache's memory and reads)
+    vllm: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -272,6 +272,9 @@ def check_config(cfg: MegarlConfig) -> None:
     if rollout.quantization is not None and rollout.name != "vllm":
         raise ConfigError(f"actor_rollout_ref.rollout.quantization={rollout.quantization} is vLLM's: it needs "
                           f"actor_rollout_ref.rollout.name=vllm (got {rollout.name!r})")
+    if rollout.engine_kwargs.vllm and rollout.name != "vllm":
+        raise ConfigError(f"actor_rollout_ref.rollout.engine_kwargs.vllm is set ({sorted(rollout.engine_kwargs.vllm)}) "
+                          f"and the rollout engine is {rollout.name!r}: set actor_rollout_ref.rollout.name=vllm")
     check_choice(cfg.algorithm.filter_groups.metric, ("score",), "algorithm.filter_groups.metric")
     if cfg.algorithm.filter_groups.max_num_gen_batches < 0:
         raise ConfigError(f"algorithm.filter_groups.max_num_gen_batches must be >= 0 (0 = no limit), got "

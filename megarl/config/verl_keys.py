@@ -58,9 +58,6 @@ FULL = {
                                             "actor_rollout_ref.rollout.val_kwargs.do_sample exists for validation"),
     "actor_rollout_ref.rollout.calculate_log_probs": ("the rollout engine's log-probs are always taken "
                                                       "(rollout/log_prob_diff_* and algorithm.rollout_correction)"),
-    "actor_rollout_ref.rollout.engine_kwargs.vllm": ("megarl passes vLLM its own settings "
-                                                     "(actor_rollout_ref.rollout.*); arbitrary vLLM kwargs are not "
-                                                     "forwarded"),
     "actor_rollout_ref.rollout.engine_kwargs.trtllm": "TensorRT-LLM is not a megarl rollout engine",
     "actor_rollout_ref.rollout.agent": ("verl's agent-loop servers: megarl's multi-turn tool loop is "
                                         "actor_rollout_ref.rollout.multi_turn.*"),

@@ -57,6 +57,7 @@ def build_rollout_engine_for(cfg: MegarlConfig, model_path: str, *, replica: Rol
             engine_kwargs["lora_rank"] = adapter_rank
         if rollout.quantization:  # vLLM quantizes what it loads, and again at every weight sync (layerwise)
             engine_kwargs["quantization"] = rollout.quantization
+        engine_kwargs["engine_args"] = dict(rollout.engine_kwargs.vllm)  # refused where megarl sets the option
     if rollout.name == "sglang":
         engine_kwargs["server_args"] = dict(rollout.engine_kwargs.sglang)  # refused where megarl sets the option
     if rollout.enable_rollout_routing_replay:

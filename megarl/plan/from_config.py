@@ -121,7 +121,10 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
     )
     hf_config = read_hf_config(model_path)
     quantization = hf_config.get("quantization_config") or {}
-    if quantization.get("quant_method") == "fp8":
-        # vLLM serves an fp8 checkpoint (DeepSeek-V3) in fp8 whatever the activation dtype.
+    if quantization.get("quant_method") == "fp8" or arr.rollout.quantization == "fp8":
+        # vLLM serves an fp8 checkpoint (DeepSeek-V3) in fp8 whatever the activation dtype, and quantizes a bf16
+        # one to fp8 with rollout.quantization=fp8
         training = replace(training, rollout_weight_bytes=1)
+    if str(arr.rollout.engine_kwargs.vllm.get("kv_cache_dtype", "auto")).startswith("fp8"):
+        training = replace(training, kv_cache_bytes=1)
     return hf_config, layout, training

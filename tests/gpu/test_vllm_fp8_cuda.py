@@ -1,9 +1,8 @@
 """On CUDA with real vLLM: FP8 rollout (``actor_rollout_ref.rollout.quantization=fp8``). vLLM quantizes the bf16
 weights it loads to FP8, and a weight sync of other bf16 weights is quantized again (megarl's weight update takes
 vLLM's layerwise reload for any quantized model, which re-processes each layer after loading): after the sync
-the engine scores like the new weights, within FP8's error, and unlike the old ones.
-
-Written in the session of 2026-12-06 15:10 (no device came); to run with ``bash bench/run_device.sh validate``.
+the engine scores like the new weights, within FP8's error, and unlike the old ones. Also with an FP8 KV cache
+(``actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8``, written 2026-12-07 after the stay of 21:25).
 """
 
 from __future__ import annotations
@@ -19,12 +18,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_fp8_engine_requantizes_the_synced_weights(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: the KV cache too (rollout.engine_kwargs.vllm)
+def test_fp8_engine_requantizes_the_synced_weights(tmp_path, kv_cache_dtype):
     pytest.importorskip("vllm")
     from tests.dist_harness import run_distributed
 
     # a process of its own, as every in-process vLLM engine of tests/gpu
-    assert run_distributed(_world, 1, str(tmp_path), cuda=True)[0]
+    assert run_distributed(_world, 1, str(tmp_path), kv_cache_dtype, cuda=True)[0]
 
 
 def _next_token_log_probs(model, prompts) -> list[torch.Tensor]:
@@ -33,7 +33,7 @@ def _next_token_log_probs(model, prompts) -> list[torch.Tensor]:
         return [torch.log_softmax(model(torch.tensor([p], device="cuda")).logits[0, -1].float(), -1) for p in prompts]
 
 
-def _world(rank, model_dir):
+def _world(rank, model_dir, kv_cache_dtype):
     from pathlib import Path
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -51,7 +51,8 @@ def _world(rank, model_dir):
     new = Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).cuda().eval()
     engine = VLLMRolloutEngine(str(path), dtype="bfloat16", in_process=True, enforce_eager=True, max_model_len=512,
                                kv_cache_memory_bytes=1 << 30, seed=0, gpu_memory_utilization=0.2,
-                               enable_prefix_caching=False, quantization="fp8")
+                               enable_prefix_caching=False, quantization="fp8",
+                               engine_args={"kv_cache_dtype": kv_cache_dtype})
     prompts = PROMPTS[:8]
     sampling = SamplingConfig.greedy(max_tokens=1, logprobs=True, ignore_eos=True)
     try:
@@ -70,7 +71,7 @@ def _world(rank, model_dir):
         """How far the engine's log-prob of the token it chose is from ``reference``'s log-prob of that token."""
         return max(abs(out.log_probs[0] - float(lp[out.token_ids[0]])) for out, lp in zip(outputs, reference))
 
-    print("fp8 gaps: loaded vs old", gap(loaded, old_lp), "synced vs new", gap(synced, new_lp),
+    print(f"fp8 gaps (kv cache {kv_cache_dtype}): loaded vs old", gap(loaded, old_lp), "synced vs new", gap(synced, new_lp),
           "synced vs old", gap(synced, old_lp), flush=True)
     # FP8 weights and activations: the chosen token's log-prob within a few tenths of the bf16 model's (H100,
     # 2026-12-06: 0.52 / 0.40 by the greedy tokens' log-probs); against the weights before the sync it is off by

@@ -133,6 +133,7 @@ class VLLMRolloutEngine(RolloutEngine):
         weight_reload: str = "auto",
         lora_rank: Optional[int] = None,
         return_routed_experts: bool = False,
+        engine_args: Optional[dict] = None,
         **llm_kwargs,
     ) -> None:
         """Start vLLM on the HF dir `model_path`.
@@ -146,6 +147,8 @@ class VLLMRolloutEngine(RolloutEngine):
         `lora_rank`: serve one LoRA adapter of at most this rank (:meth:`load_adapter`). `return_routed_experts`:
         an MoE model's outputs carry the experts its routers chose per token (vLLM's
         `enable_return_routed_experts`; routing replay in the trainer). `llm_kwargs` go to `vllm.LLM` unchanged.
+        `engine_args`: more of `vllm.LLM`'s engine arguments (verl's ``rollout.engine_kwargs.vllm``, e.g.
+        ``kv_cache_dtype="fp8"``), refused where they name one this engine sets itself.
         """
         import torch.distributed as dist
         from vllm import LLM
@@ -200,21 +203,17 @@ class VLLMRolloutEngine(RolloutEngine):
             llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=vllm_compat.lora_rank_slot(lora_rank))
         engine_env = (vllm_compat.in_process_engine_env(local_device_index) if in_process
                       else contextlib.nullcontext())
+        arguments = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
+                         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, dtype=dtype,
+                         max_model_len=max_model_len, seed=seed, enable_sleep_mode=enable_sleep_mode,
+                         enable_prefix_caching=enable_prefix_caching, worker_extension_cls=_EXTENSION,
+                         logprobs_mode="processed_logprobs", **llm_kwargs)
+        clash = sorted(set(engine_args or {}) & set(arguments))
+        if clash:
+            raise ValueError(f"VLLMRolloutEngine: engine arguments {clash} (actor_rollout_ref.rollout.engine_kwargs.vllm)"
+                             " are set by megarl's own options (actor_rollout_ref.rollout.*); pass those instead")
         with engine_env, vllm_compat.routed_experts_env(return_routed_experts):
-            self.llm = LLM(
-                model=model_path,
-                tensor_parallel_size=tensor_parallel_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enforce_eager=enforce_eager,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                enable_sleep_mode=enable_sleep_mode,
-                enable_prefix_caching=enable_prefix_caching,
-                worker_extension_cls=_EXTENSION,
-                logprobs_mode="processed_logprobs",
-                **llm_kwargs,
-            )
+            self.llm = LLM(**arguments, **(engine_args or {}))
         if self._on_cpu and external_launcher and dist.get_world_size() > 1:
             _unlink_cpu_shm_names()
         self.in_process = vllm_compat.engine_core_in_process(self.llm)

@@ -110,6 +110,9 @@ def test_overrides_are_typed(tmp_path):
     ("actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.quantization=fp8",
      r"actor_rollout_ref.rollout.quantization=fp8 is vLLM's: it needs actor_rollout_ref.rollout.name=vllm"),
     ("actor_rollout_ref.rollout.quantization=int4", r"actor_rollout_ref.rollout.quantization"),
+    ("actor_rollout_ref.rollout.name=hf actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8",
+     r"engine_kwargs.vllm is set \(\['kv_cache_dtype'\]\) and the rollout engine is 'hf': set "
+     r"actor_rollout_ref.rollout.name=vllm"),
     ("actor_rollout_ref.actor.megatron.router_replay.mode=R3",
      r"router_replay.mode=R3 replays the rollout's routing: set actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     ("actor_rollout_ref.actor.megatron.router_replay.mode=R4", r"actor_rollout_ref.actor.megatron.router_replay.mode"),
