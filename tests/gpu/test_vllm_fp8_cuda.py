@@ -71,7 +71,8 @@ def _world(rank, model_dir, kv_cache_dtype):
         """How far the engine's log-prob of the token it chose is from ``reference``'s log-prob of that token."""
         return max(abs(out.log_probs[0] - float(lp[out.token_ids[0]])) for out, lp in zip(outputs, reference))
 
-    print(f"fp8 gaps (kv cache {kv_cache_dtype}): loaded vs old", gap(loaded, old_lp), "synced vs new", gap(synced, new_lp),
+    print(f"fp8 gaps (kv cache {kv_cache_dtype}): loaded vs old", gap(loaded, old_lp),
+          "synced vs new", gap(synced, new_lp),
           "synced vs old", gap(synced, old_lp), flush=True)
     # FP8 weights and activations: the chosen token's log-prob within a few tenths of the bf16 model's (H100,
     # 2026-12-06: 0.52 / 0.40 by the greedy tokens' log-probs); against the weights before the sync it is off by

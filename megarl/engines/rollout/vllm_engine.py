@@ -210,8 +210,8 @@ class VLLMRolloutEngine(RolloutEngine):
                          logprobs_mode="processed_logprobs", **llm_kwargs)
         clash = sorted(set(engine_args or {}) & set(arguments))
         if clash:
-            raise ValueError(f"VLLMRolloutEngine: engine arguments {clash} (actor_rollout_ref.rollout.engine_kwargs.vllm)"
-                             " are set by megarl's own options (actor_rollout_ref.rollout.*); pass those instead")
+            raise ValueError(f"VLLMRolloutEngine: engine arguments {clash} (actor_rollout_ref.rollout.engine_kwargs"
+                             ".vllm) are set by megarl's own options (actor_rollout_ref.rollout.*); pass those instead")
         with engine_env, vllm_compat.routed_experts_env(return_routed_experts):
             self.llm = LLM(**arguments, **(engine_args or {}))
         if self._on_cpu and external_launcher and dist.get_world_size() > 1:

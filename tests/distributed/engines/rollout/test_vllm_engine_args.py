@@ -1,6 +1,6 @@
 """vLLM's own engine arguments through megarl (verl's ``actor_rollout_ref.rollout.engine_kwargs.vllm``), on the real
-(CPU) vLLM: an FP8 KV cache (``kv_cache_dtype=fp8``) is what the engine runs with, and weight syncs through it
-come back exactly; an argument megarl sets itself is refused, naming it. One engine for the module."""
+(CPU) vLLM: an FP8 KV cache (``kv_cache_dtype=fp8``) is what the engine a worker builds from the run config runs
+with, and weight syncs through it come back exactly; an argument megarl sets itself is refused, naming it."""
 
 from __future__ import annotations
 
@@ -24,12 +24,21 @@ def test_an_argument_megarl_sets_is_refused_naming_it(tiny_qwen2_dir):
 
 
 def test_fp8_kv_cache_runs_and_weight_syncs_through_it_are_exact(tiny_qwen2_dir):
+    """The engine a worker builds from the run's config (the path from the key to vLLM)."""
     from safetensors.torch import load_file
 
-    engine = build_rollout_engine(
-        "vllm", str(tiny_qwen2_dir), dtype="bfloat16", enforce_eager=True, max_model_len=128,
-        kv_cache_memory_bytes=64 << 20, seed=0, enable_prefix_caching=False, in_process=True,
-        engine_args={"kv_cache_dtype": "fp8"})
+    from megarl.controller.rollout_replicas import RolloutReplica
+    from megarl.controller.rollout_worker import build_rollout_engine_for
+    from megarl.run_config import load_config
+    from tests.paths import REPO
+
+    cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [
+        f"actor_rollout_ref.model.path={tiny_qwen2_dir}", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.dtype=bfloat16", "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.kv_cache_memory_mb=64", "data.max_response_length=8",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8"])
+    engine = build_rollout_engine_for(cfg, str(tiny_qwen2_dir), replica=RolloutReplica(index=0, size=1, group=None),
+                                      colocated=False, device="cpu", local_device_index=None)
     try:
         assert engine.llm.llm_engine.vllm_config.cache_config.cache_dtype == "fp8"
 
