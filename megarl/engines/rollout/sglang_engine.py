@@ -47,7 +47,7 @@ from megarl.engines.rollout import sglang_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
                                          first_sample_seed, validate_prompts)
 from megarl.engines.rollout.process_env import environment_set
-from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
+from megarl.engines.rollout.weight_session import WeightUpdateSession, fp8_checkpoint_block, read_checkpoint_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ class SGLangRolloutEngine(RolloutEngine):
                                       "those with rollout.name=vllm")
         self.vocab_size = int(config["vocab_size"])
         shapes = read_checkpoint_shapes(model_path, weights_on_disk=load_format != "dummy")
-        self._session = WeightUpdateSession(type(self).__name__, shapes, tied=bool(config.get("tie_word_embeddings")))
+        self._session = WeightUpdateSession(type(self).__name__, shapes, tied=bool(config.get("tie_word_embeddings")),
+                                            fp8_block=fp8_checkpoint_block(config, shapes))
         self._sleep_enabled = enable_sleep_mode
         if visible_devices is not None and len(visible_devices) != tensor_parallel_size:
             raise ValueError(f"SGLangRolloutEngine: {len(visible_devices)} visible_devices for tensor_parallel_size="

@@ -56,7 +56,7 @@ from megarl.engines.rollout import vllm_compat
 from megarl.engines.rollout.base import (RolloutEngine, RolloutOutput, SamplingConfig, check_prompt_seeds,
                                          first_sample_seed, validate_prompts)
 from megarl.engines.rollout.vllm_worker_extension import encode_bucket
-from megarl.engines.rollout.weight_session import WeightUpdateSession, read_checkpoint_shapes
+from megarl.engines.rollout.weight_session import WeightUpdateSession, fp8_checkpoint_block, read_checkpoint_shapes
 
 logger = logging.getLogger(__name__)
 _LORA_ID = 1  # the one adapter an engine serves
@@ -168,7 +168,8 @@ class VLLMRolloutEngine(RolloutEngine):
         text = config.get("text_config") or config  # a vision-language model's decoder sizes are its text model's
         self.vocab_size = int(text["vocab_size"])
         tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings"))
-        self._session = WeightUpdateSession(type(self).__name__, self._checkpoint_shapes, tied=bool(tied))
+        self._session = WeightUpdateSession(type(self).__name__, self._checkpoint_shapes, tied=bool(tied),
+                                            fp8_block=fp8_checkpoint_block(config, self._checkpoint_shapes))
 
         from vllm.platforms import current_platform
 

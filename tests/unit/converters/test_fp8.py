@@ -1,10 +1,10 @@
-"""Block-wise FP8 dequantisation against a straightforward per-block reference. FP8 checkpoints converted end to
-end: tests/distributed/converters/test_fp8_conversion.py."""
+"""Block-wise FP8 dequantisation and quantisation against a straightforward per-block reference. FP8 checkpoints
+converted end to end: tests/distributed/converters/test_fp8_conversion.py."""
 
 import pytest
 import torch
 
-from megarl.checkpoint_io.fp8 import dequantize_fp8_blockwise, fp8_block_size
+from megarl.checkpoint_io.fp8 import dequantize_fp8_blockwise, fp8_block_size, quantize_fp8_blockwise
 
 
 def reference_dequant(weight, scale_inv, block, dtype):
@@ -56,3 +56,28 @@ def test_dequant_rejects_wrong_scale_shape_and_non_fp8():
     assert fp8_block_size({"quant_method": "fp8", "weight_block_size": [64, 32]}) == (64, 32)
     with pytest.raises(ValueError, match="quant_method='gptq'"):
         fp8_block_size({"quant_method": "gptq"})
+
+
+@pytest.mark.parametrize("shape,block", [((300, 200), (128, 128)), ((130, 70), (64, 32)), ((128, 256), (128, 128))])
+def test_quantize_is_the_per_block_reference_bit_for_bit(shape, block):
+    torch.manual_seed(0)
+    weight = torch.randn(shape) * torch.logspace(-2, 1, shape[1])  # blocks of very different magnitudes
+    quantized, scale_inv = quantize_fp8_blockwise(weight, block=block)
+    want_q, want_scale = quantize_blockwise(weight, block)
+    assert quantized.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32
+    assert torch.equal(scale_inv, want_scale)
+    assert torch.equal(quantized.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_quantize_round_trip_is_within_e4m3_rounding():
+    """Each element is rounded once to e4m3 after scaling by its block's amax / 448: relative error at most 2**-4
+    (half a unit in the last of 3 mantissa bits) for normal values, and at most half the smallest subnormal step
+    (2**-10 of the scale) for elements below e4m3's normal range. An all-zero block stays exactly zero."""
+    torch.manual_seed(1)
+    weight = (torch.randn(300, 200, dtype=torch.float64) * torch.logspace(-4, 1, 200, dtype=torch.float64))
+    weight[:128, :128] = 0
+    quantized, scale_inv = quantize_fp8_blockwise(weight)
+    back = dequantize_fp8_blockwise(quantized, scale_inv, dtype=torch.float64)
+    scale = scale_inv.double().repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert ((back - weight).abs() <= 2**-4 * weight.abs() + 2**-10 * scale).all()
+    assert scale_inv[0, 0] == 1 and not back[:128, :128].any()
