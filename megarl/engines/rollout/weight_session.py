@@ -22,11 +22,20 @@ import torch
 
 def fp8_checkpoint_block(config: dict, checkpoint_shapes: dict[str, tuple[int, ...]]) -> Optional[tuple[int, int]]:
     """The scale block of a block-wise FP8 checkpoint (``quantization_config.quant_method=fp8`` with
-    ``weight_scale_inv`` tensors), else None."""
+    ``weight_scale_inv`` tensors), else None. An FP8 checkpoint of per-tensor scales (``weight_scale``) is refused:
+    a bf16 sync would reach its FP8 weights unscaled."""
     from megarl.checkpoint_io.fp8 import SCALE_SUFFIX, fp8_block_size
 
     quantization = config.get("quantization_config") or {}
-    if quantization.get("quant_method") != "fp8" or not any(n.endswith(SCALE_SUFFIX) for n in checkpoint_shapes):
+    if quantization.get("quant_method") != "fp8":
+        return None
+    if not any(n.endswith(SCALE_SUFFIX) for n in checkpoint_shapes):
+        per_tensor = sorted(n for n in checkpoint_shapes if n.endswith(".weight_scale"))
+        if per_tensor:
+            raise NotImplementedError(
+                f"an FP8 checkpoint with per-tensor scales ({per_tensor[0]}, ...): megarl syncs bf16 weights into "
+                "block-wise FP8 checkpoints (weight_scale_inv) only; serve the bf16 checkpoint with "
+                "actor_rollout_ref.rollout.quantization=fp8 instead")
         return None
     return fp8_block_size(quantization)
 

@@ -75,6 +75,8 @@ def test_a_block_wise_fp8_checkpoint_gets_the_bf16_weights_quantized_with_their_
     config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [2, 4]}}
     assert fp8_checkpoint_block(config, shapes) == (2, 4)
     assert fp8_checkpoint_block({}, shapes) is None and fp8_checkpoint_block(config, SHAPES) is None
+    with pytest.raises(NotImplementedError, match=r"per-tensor scales \(model.layers.0.mlp.up_proj.weight_scale"):
+        fp8_checkpoint_block(config, {up: (6, 4), up + "_scale": ()})
     session = WeightUpdateSession("Engine", shapes, tied=False, fp8_block=(2, 4))
     torch.manual_seed(0)
     up_weight = torch.randn(6, 4).to(torch.bfloat16)
