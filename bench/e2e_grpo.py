@@ -261,8 +261,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--gen-alone", action="store_true")
     parser.add_argument("--gen-only", action="store_true", help="plain vLLM's generation only, no trainer")
     parser.add_argument("--quantization", help="plain vLLM's weight quantization (fp8), with --gen-alone/--gen-only")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="plain vLLM's KV cache dtype (fp8; the trainer's: rollout.engine_kwargs.vllm.kv_cache_dtype)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="plain vLLM's KV cache dtype (fp8; the "
+                        "trainer's: actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--random-init", action="store_true",
                         help="no weights on disk: config.json only, megatron's random init, vLLM dummy weights")

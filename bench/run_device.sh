@@ -123,7 +123,7 @@ elif [ "$MODE" = big ] || [ "$MODE" = moe ]; then  # GRPO at $MODELS (default 7b
   done
 elif [ "$MODE" = pinned ]; then  # host memory of page-locked copies: torch's rounding, its knobs, megarl's buffer
   step pinned_host_probe timeout 300 python3 -m bench.pinned_host_probe --out "$OUT/pinned_host_probe.json"
-elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; "30b-a3b" cut to $LAYERS), $QUANT (bf16,fp8)
+elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; 30b-a3b cut to $LAYERS) per $QUANT
   for model in $(echo "${MODELS:-7b}" | tr , ' '); do
     LAYER_ARGS=""; [ "$model" = 30b-a3b ] && LAYER_ARGS="--layers ${LAYERS:-8}"
     for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do  # fp8kv: FP8 weights and an FP8 KV cache

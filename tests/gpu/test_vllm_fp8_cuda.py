@@ -39,9 +39,7 @@ def _world(rank, model_dir, kv_cache_dtype):
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megarl.engines.rollout.base import SamplingConfig
     from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
-    from megarl.weight_sync.buckets import bucketize
 
     path = Path(model_dir)
     (path / "config.json").write_text(json.dumps(CONFIG))
@@ -55,6 +53,22 @@ def _world(rank, model_dir, kv_cache_dtype):
                                enable_prefix_caching=False, quantization="fp8",
                                engine_args={"kv_cache_dtype": kv_cache_dtype})
     prompts = PROMPTS[:8]
+    loaded, synced = _generate_sync_generate(engine, new, prompts)
+    old_lp, new_lp = _next_token_log_probs(old, prompts), _next_token_log_probs(new, prompts)
+    print(f"fp8 gaps (kv cache {kv_cache_dtype}): loaded vs old", _gap(loaded, old_lp),
+          "synced vs new", _gap(synced, new_lp), "synced vs old", _gap(synced, old_lp), flush=True)
+    # FP8 weights and activations: the chosen token's log-prob within a few tenths of the bf16 model's (H100,
+    # 2026-12-06: 0.52 / 0.40 by the greedy tokens' log-probs); against the weights before the sync it is off by
+    # far more (a stale weight would score like the old model)
+    _assert_scores_like_the_synced_model(loaded, synced, old_lp, new_lp)
+    return True
+
+
+def _generate_sync_generate(engine, new, prompts):
+    """The engine's greedy first tokens before and after a bucketed sync of ``new``'s bf16 weights; shuts it down."""
+    from megarl.engines.rollout.base import SamplingConfig
+    from megarl.weight_sync.buckets import bucketize
+
     sampling = SamplingConfig.greedy(max_tokens=1, logprobs=True, ignore_eos=True)
     try:
         loaded = engine.generate(prompts, sampling)
@@ -63,18 +77,9 @@ def _world(rank, model_dir, kv_cache_dtype):
             engine.update_weights(bucket)
         engine.finish_weight_update()
         assert engine.weight_reload_taken == "layerwise"  # quantized weights are re-processed, never copied into
-        synced = engine.generate(prompts, sampling)
+        return loaded, engine.generate(prompts, sampling)
     finally:
         engine.shutdown()
-    old_lp, new_lp = _next_token_log_probs(old, prompts), _next_token_log_probs(new, prompts)
-
-    print(f"fp8 gaps (kv cache {kv_cache_dtype}): loaded vs old", _gap(loaded, old_lp),
-          "synced vs new", _gap(synced, new_lp), "synced vs old", _gap(synced, old_lp), flush=True)
-    # FP8 weights and activations: the chosen token's log-prob within a few tenths of the bf16 model's (H100,
-    # 2026-12-06: 0.52 / 0.40 by the greedy tokens' log-probs); against the weights before the sync it is off by
-    # far more (a stale weight would score like the old model)
-    _assert_scores_like_the_synced_model(loaded, synced, old_lp, new_lp)
-    return True
 
 
 def _gap(outputs, reference) -> float:
@@ -105,9 +110,7 @@ def _block_fp8_world(rank, model_dir):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megarl.checkpoint_io.fp8 import quantize_fp8_blockwise
-    from megarl.engines.rollout.base import SamplingConfig
     from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
-    from megarl.weight_sync.buckets import bucketize
 
     path = Path(model_dir)
     torch.manual_seed(0)
@@ -127,17 +130,7 @@ def _block_fp8_world(rank, model_dir):
                                kv_cache_memory_bytes=1 << 30, seed=0, gpu_memory_utilization=0.2,
                                enable_prefix_caching=False)
     prompts = PROMPTS[:8]
-    sampling = SamplingConfig.greedy(max_tokens=1, logprobs=True, ignore_eos=True)
-    try:
-        loaded = engine.generate(prompts, sampling)
-        weights = {name: t.detach() for name, t in new.state_dict().items()}
-        for bucket in bucketize(sorted(weights.items()), 8 << 20):
-            engine.update_weights(bucket)
-        engine.finish_weight_update()
-        assert engine.weight_reload_taken == "layerwise"
-        synced = engine.generate(prompts, sampling)
-    finally:
-        engine.shutdown()
+    loaded, synced = _generate_sync_generate(engine, new, prompts)
     old_lp, new_lp = _next_token_log_probs(old, prompts), _next_token_log_probs(new, prompts)
     print("block fp8 gaps: loaded vs old", _gap(loaded, old_lp), "synced vs new", _gap(synced, new_lp),
           "synced vs old", _gap(synced, old_lp), flush=True)
