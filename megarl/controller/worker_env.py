@@ -6,6 +6,11 @@ LOCAL_WORLD_SIZE (position among the group's ranks on the same physical node), M
 MEGARL_LOCAL_DEVICE (the CUDA device index to use inside this process: Ray narrows CUDA_VISIBLE_DEVICES to the
 GPU of the bundle, so this is usually 0), MEGARL_GROUP_NAME and MEGARL_POOL_NODE (index of the pool node).
 This module only reads them; it has no Ray import so worker classes and engines can use it.
+
+Threads: Ray starts every actor with OMP_NUM_THREADS set to its CPU share (1 for megarl's workers), so torch in a
+GPU worker would run its CPU work on one core: megatron's host Adam (HybridDeviceOptimizer), the offload copies.
+:func:`intra_op_threads` gives a GPU worker its share of the node's cores instead; a CPU worker keeps one (the
+ranks are the parallelism there), and OMP_NUM_THREADS in the driver's environment wins on either.
 Leaves out: Megatron parallel-state (TP/PP/CP/DP) initialisation, which belongs to the engines.
 """
 
@@ -21,6 +26,7 @@ ENV_GROUP_NAME = "MEGARL_GROUP_NAME"
 ENV_DEVICE = "MEGARL_DEVICE"
 ENV_LOCAL_DEVICE = "MEGARL_LOCAL_DEVICE"
 ENV_POOL_NODE = "MEGARL_POOL_NODE"
+ENV_THREADS = "MEGARL_WORKER_THREADS"  # the driver's OMP_NUM_THREADS, which Ray's own setting would hide
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,11 @@ def init_torch_distributed(*, backend: str | None = None, timeout_s: float = 600
     """
     from megarl.engines.megatron.parallel import init_distributed
 
+    import torch
+
     ctx = read_worker_context()
+    torch.set_num_threads(intra_op_threads(ctx.device, ctx.local_world_size, len(os.sched_getaffinity(0)),
+                                           os.environ.get(ENV_THREADS)))
     if dist.is_initialized():
         raise RuntimeError(f"{ctx.group_name} rank {ctx.rank}: torch.distributed is already initialised")
     if ctx.device == "cuda" and ctx.local_device_index is None:
@@ -81,6 +91,17 @@ def init_torch_distributed(*, backend: str | None = None, timeout_s: float = 600
     init_distributed(backend=backend, timeout_s=timeout_s, device=ctx.device,
                      local_device_index=ctx.local_device_index)
     return ctx
+
+
+def intra_op_threads(device: str, local_world_size: int, cores: int, requested: str | None = None) -> int:
+    """torch's intra-op threads for one worker process: ``requested`` (the driver's OMP_NUM_THREADS) if given; on
+    a GPU node the ``cores`` this process may run on shared among the group's ``local_world_size`` processes there
+    (phases of colocated groups take turns, so they do not add up); on CPU 1."""
+    if requested:
+        return max(1, int(requested))
+    if device != "cuda":
+        return 1
+    return max(1, cores // max(1, local_world_size))
 
 
 def worker_env_for(device: str) -> dict[str, str]:
@@ -94,6 +115,8 @@ def worker_env_for(device: str) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": python_warnings_env(os.environ.get("PYTHONWARNINGS"))}
     if device == "cpu":
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    if os.environ.get("OMP_NUM_THREADS"):
+        env[ENV_THREADS] = os.environ["OMP_NUM_THREADS"]
     if os.environ.get(KILL_AT):
         env[KILL_AT] = os.environ[KILL_AT]
     return env

@@ -1,7 +1,9 @@
 """GPU worker groups: NCCL world over Ray-assigned GPUs, and two groups colocated on one GPU per bundle.
 
 Uses min(2, visible GPUs) ranks and skips without CUDA. Checks what CPU tests cannot: Ray's CUDA_VISIBLE_DEVICES
-narrowing, the local device index handed to workers, NCCL init through `init_torch_distributed`, and fractional GPU colocation.
+narrowing, the local device index handed to workers, NCCL init through `init_torch_distributed`, and fractional GPU colocation;
+and that a GPU worker's torch runs its CPU work on its share of the node's cores, not the one thread Ray's
+OMP_NUM_THREADS=1 would leave it (the host Adam of the 7B run: 9.1 s a step on one core, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class NcclWorker:
         value = torch.tensor([float(dist.get_rank() + 1)], device="cuda")
         dist.all_reduce(value)
         return {"sum": value.item(), "device": torch.cuda.current_device(),
-                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": str(torch.cuda.get_device_properties(0).uuid)}
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": str(torch.cuda.get_device_properties(0).uuid),
+                "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+                "cores": len(os.sched_getaffinity(0)), "local_world_size": self.ctx.local_world_size}
 
 
 def test_nccl_world_and_colocated_groups_share_each_gpu():
@@ -51,6 +55,9 @@ def test_nccl_world_and_colocated_groups_share_each_gpu():
         assert all(r["visible"] and len(r["visible"].split(",")) == 1 for r in a)  # Ray narrowed visibility
         assert len({r["uuid"] for r in a}) == RANKS  # the ranks drive different GPUs ...
         assert [r["uuid"] for r in a] == [r["uuid"] for r in b]  # ... and colocated rank r shares rank r's GPU
+        if not os.environ.get("OMP_NUM_THREADS"):  # the driver set none: Ray's 1 is replaced by the worker's share
+            assert all(r["threads"] == max(1, r["cores"] // r["local_world_size"]) for r in a + b), a + b
+            assert any(r["threads"] > 1 for r in a) or os.cpu_count() < 2 * RANKS
         print(first.format_placement_table())
         first.shutdown()
         second.shutdown()

@@ -51,7 +51,8 @@ class CollectiveWorker:
     def rank_env(self) -> dict:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MEGARL_GROUP_NAME", "CUDA_DEVICE_MAX_CONNECTIONS",
                  "MEGARL_TEST_MARKER")
-        return {name: os.environ.get(name) for name in names} | {"tag": self.tag, "pid": os.getpid()}
+        return {name: os.environ.get(name) for name in names} | {"tag": self.tag, "pid": os.getpid(),
+                                                                "threads": torch.get_num_threads()}
 
     @register(dispatch=Dispatch.ALL_TO_ALL, collect=Collect.ALL)
     def scale(self, factor: float, *, offset: float) -> float:
@@ -181,6 +182,7 @@ def test_four_rank_world_all_reduce_and_rank_env(mesh):
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["MEGARL_GROUP_NAME"] for e in envs} == {"mesh"}
     assert len({e["pid"] for e in envs}) == 4
+    assert {e["threads"] for e in envs} == {1}  # CPU ranks are the parallelism: one intra-op thread each
     # init_ray's runtime env reached the workers: Megatron default and the explicit extra_env.
     assert {(e["CUDA_DEVICE_MAX_CONNECTIONS"], e["MEGARL_TEST_MARKER"]) for e in envs} == {("1", "on")}
     rows = mesh.placement_table()
