@@ -16,12 +16,16 @@ def reference_score(sample: dict) -> float:
 
 class RewardService:
     """``mode`` per request number (0-based) -> behaviour: "ok", "slow", "500", "400", "bad_json", "short".
-    ``plan``: a list consumed request by request, then ``default`` for every later request."""
+    ``plan``: a list consumed request by request, then ``default`` for every later request. ``rendezvous=n``: a
+    request is answered only once n are in flight together (or after ``rendezvous_timeout_s``), so a client that
+    sends n at a time shows ``max_in_flight == n`` however slowly the machine runs, and one that sends them one by
+    one shows 1."""
 
     def __init__(self, *, default: str = "ok", plan: list[str] | None = None, delay_s: float = 0.0,
-                 slow_s: float = 1.0):
+                 slow_s: float = 1.0, rendezvous: int = 0, rendezvous_timeout_s: float = 5.0):
         self.default, self.plan, self.delay_s, self.slow_s = default, list(plan or []), delay_s, slow_s
-        self.lock = threading.Lock()
+        self.rendezvous, self.rendezvous_timeout_s = rendezvous, rendezvous_timeout_s
+        self.lock = threading.Condition()
         self.requests: list[list[dict]] = []
         self.in_flight = self.max_in_flight = 0
         service = self
@@ -37,6 +41,9 @@ class RewardService:
                     service.requests.append(samples)
                     service.in_flight += 1
                     service.max_in_flight = max(service.max_in_flight, service.in_flight)
+                    service.lock.notify_all()
+                    service.lock.wait_for(lambda: service.in_flight >= service.rendezvous,
+                                          timeout=service.rendezvous_timeout_s)
                 try:
                     time.sleep(service.slow_s if mode == "slow" else service.delay_s)
                     scores = [reference_score(s) for s in samples]

@@ -33,8 +33,9 @@ def expected_scores(n: int = SAMPLES) -> list[float]:
 
 
 def test_scores_come_back_in_order_in_bounded_concurrent_requests():
-    with RewardService(delay_s=0.1) as service:
-        result = manager(service.url).score_batch(**batch())
+    # the service answers requests in pairs (rendezvous): concurrency shows without a race against the clock
+    with RewardService(rendezvous=2) as service:
+        result = manager(service.url, timeout_s=30).score_batch(**batch())
     assert result.scores.tolist() == expected_scores() and 0 < sum(expected_scores()) < SAMPLES
     assert sorted(len(r) for r in service.requests) == [1, 3, 3, 3]
     assert service.max_in_flight == 2  # concurrent, and never more than max_concurrency
