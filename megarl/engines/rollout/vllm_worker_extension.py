@@ -69,8 +69,10 @@ class MegarlWeightUpdateExtension:
             initialize, _ = layerwise_reload()
             with set_current_vllm_config(self.vllm_config):
                 initialize(model)
-        # how checkpoint names reach the linears that vLLM wrapped for LoRA (unchanged where nothing is wrapped)
-        self._megarl_checkpoint_name = lora_base_layer_names(model)
+        # how checkpoint names reach the linears that vLLM wrapped for LoRA (unchanged where nothing is wrapped);
+        # vLLM wraps them when the engine starts, never later: one walk of the model per engine, not per sync
+        if getattr(self, "_megarl_checkpoint_name", None) is None:
+            self._megarl_checkpoint_name = lora_base_layer_names(model)
         return mode
 
     def megarl_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
