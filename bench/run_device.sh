@@ -72,7 +72,8 @@ elif [ "$MODE" = pack ]; then
 elif [ "$MODE" = validate ]; then  # first thing in every stay: every GPU test (tests/gpu), and a packed GRPO run
   # 503 s alone on an H100 (2026-12-07 13:49); 560 s cut it short in its 32nd test with SGLang's probe and a CPU
   # model write beside it: the limit keeps a hung test from eating the stay, not a tight budget
-  step gpu_tests timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --timeout=400 \
+  # TESTS narrows it to the files whose GPU paths changed since the last full pass, where device time is short
+  step gpu_tests timeout "${TESTS_TIMEOUT:-900}" python3 -m pytest ${TESTS:-tests/gpu} -q -rs -p no:cacheprovider --timeout=400 \
     --junitxml="$OUT/gpu_tests.xml"
   step grpo_packed timeout 200 python3 -m megarl.trainer.main --config configs/grpo_tiny.yaml trainer.backend=inprocess \
     trainer.device=cuda trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=100 \
