@@ -47,7 +47,10 @@ def test_vllm_serves_adapters_from_device_tensors(tmp_path):
     # a process of its own: vLLM keeps process-wide state (one sleep-mode allocator, the torch.distributed world
     # an in-process engine creates) that would change how the other GPU tests' engines start
     result = run_distributed(_vllm_lora_world, 1, str(tmp_path), cuda=True)[0]
-    print(f"adapter load: {result['adapter_mib']:.1f} MiB in {result['load_ms']:.1f} ms")
+    print(f"adapter load: {result['adapter_mib']:.1f} MiB in {result['load_ms']:.1f} ms into vLLM's slots, "
+          f"{result['vllm_load_ms']:.1f} ms vLLM's own way")
+    assert (result["in_place_path"], result["vllm_path"]) == ("in_place", "vllm")
+    assert not result["slots_differing"], result["slots_differing"]
     base, zero_b, with_first, with_third, again = (result[k] for k in ("base", "zero_b", "first", "third", "again"))
     assert zero_b == base  # B = 0: the base model, bitwise
     assert with_first[0] != base[0]
@@ -73,6 +76,7 @@ def _vllm_lora_world(rank, model_dir):
     from megarl.engines.rollout.base import SamplingConfig
     from megarl.engines.rollout.vllm_engine import VLLMRolloutEngine
     from tests.gpu.rollout_engine_checks import CONFIG, PROMPTS
+    from tests.vllm_lora_slots import forget_the_served_adapter, scribble_on_the_slots, slots_and_path, slots_differing
 
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
@@ -114,11 +118,23 @@ def _vllm_lora_world(rank, model_dir):
         engine.load_adapter(adapter(1, zero_b=True), config)
         out["zero_b"] = run()
         first = adapter(2)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.load_adapter(first, config)
-        torch.cuda.synchronize()
-        out["load_ms"] = (time.perf_counter() - start) * 1e3
+
+        def timed_load(named):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.load_adapter(named, config)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) * 1e3
+
+        # the second load of this shape writes into vLLM's slots directly (ServedAdapter); what it leaves there
+        # is bit for bit what vLLM's own load of the same adapter leaves, even over slots a sleep had dropped
+        engine.llm.collective_rpc(scribble_on_the_slots)
+        out["load_ms"] = timed_load(first)
+        out["in_place_path"], in_place = engine.llm.collective_rpc(slots_and_path)[0]
+        engine.llm.collective_rpc(forget_the_served_adapter)
+        out["vllm_load_ms"] = timed_load(first)
+        out["vllm_path"], vllms_own = engine.llm.collective_rpc(slots_and_path)[0]
+        out["slots_differing"] = slots_differing(in_place, vllms_own)
         out["adapter_mib"] = sum(t.numel() * 2 for _, t in first) / 2**20
         out["first"] = run()
         engine.load_adapter(adapter(3), config)

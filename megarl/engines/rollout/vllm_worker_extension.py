@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.engines.rollout.vllm_compat import (WEIGHT_RELOAD_MODES, add_lora_from_tensors, layerwise_reload,
+from megarl.engines.rollout.vllm_compat import (WEIGHT_RELOAD_MODES, ServedAdapter, layerwise_reload,
                                                 loads_in_place, lora_base_layer_names)
 
 
@@ -90,7 +90,9 @@ class MegarlWeightUpdateExtension:
 
     def megarl_load_adapter(self, lora_id: int, named_tensors: list[tuple[str, torch.Tensor]], config: dict) -> None:
         """Serve a LoRA adapter given as PEFT-named tensors (in process: they may live on the device)."""
-        add_lora_from_tensors(self.model_runner.lora_manager, lora_id, dict(named_tensors), config)
+        if getattr(self, "_megarl_served_adapter", None) is None:
+            self._megarl_served_adapter = ServedAdapter()
+        self._megarl_served_adapter.load(self.model_runner.lora_manager, lora_id, dict(named_tensors), config)
 
     def megarl_load_adapter_blob(self, lora_id: int, blob: bytes, config: dict) -> None:
         self.megarl_load_adapter(lora_id, decode_bucket(blob), config)

@@ -13,6 +13,8 @@ pytest.importorskip("vllm")
 from megarl.engines.rollout.base import SamplingConfig  # noqa: E402
 from megarl.engines.rollout.factory import build_rollout_engine  # noqa: E402
 from megarl.engines.rollout.hf_engine import HFRolloutEngine  # noqa: E402
+from tests.vllm_lora_slots import (forget_the_served_adapter, scribble_on_the_slots, slots_and_path,  # noqa: E402
+                                   slots_differing)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 
@@ -129,3 +131,37 @@ def test_base_weights_reach_the_wrapped_linears_by_name(vllm_engine, tiny_qwen2_
     # exactly the seven projections of each layer (and q/k/v's biases): the norms and embeddings keep their names
     assert renamed == {f"model.layers.{layer}.{module}.weight" for layer in range(2) for module in PROJECTIONS} | {
         f"model.layers.{layer}.self_attn.{p}_proj.bias" for layer in range(2) for p in "qkv"}
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"]], ids=["all_linears", "q_and_v"])
+def test_later_loads_write_the_adapter_into_vllms_slots_as_vllms_own_load_does(vllm_engine, targets):
+    """After an adapter's first load (vLLM's own way), loads of an adapter with the same names, shapes and config
+    write each tensor into the slot vLLM put it in (``ServedAdapter``, 56-74 ms vLLM's way at 14B on an H100).
+    What that leaves in every LoRA slot of the engine is bit for bit what vLLM's own load of the same adapter
+    leaves (alpha / r folded into B; with q and v only, the k slices of the fused qkv and the untargeted layers
+    zero, whatever the slots held before), and it generates the same; another config goes vLLM's way again."""
+    config = dict(CONFIG) if targets is None else {**CONFIG, "target_modules": targets}
+
+    def adapter(seed):
+        return [(name, t) for name, t in random_adapter(seed)
+                if targets is None or any(f".{target}." in name for target in targets)]
+
+    rpc = vllm_engine.llm.collective_rpc
+    rpc(forget_the_served_adapter)
+    vllm_engine.load_adapter(adapter(6), config)
+    assert rpc(slots_and_path)[0][0] == "vllm"
+    rpc(scribble_on_the_slots)  # every slot the adapter's load leaves must be written, not only the targets'
+    vllm_engine.load_adapter(adapter(7), config)
+    path, in_place = rpc(slots_and_path)[0]
+    assert path == "in_place"
+    in_place_tokens = vllm_engine.generate(PROMPTS, GREEDY)
+    rpc(forget_the_served_adapter)
+    vllm_engine.load_adapter(adapter(7), config)
+    path, vllms_own = rpc(slots_and_path)[0]
+    assert path == "vllm"
+    differing = slots_differing(in_place, vllms_own)
+    assert not differing, f"slots the in-place load left otherwise than vLLM's own: {differing}"
+    assert any(slot.abs().sum() > 0 for slot in vllms_own.values())
+    assert [o.log_probs for o in vllm_engine.generate(PROMPTS, GREEDY)] == [o.log_probs for o in in_place_tokens]
+    vllm_engine.load_adapter(adapter(8), {**config, "lora_alpha": 2 * ALPHA})
+    assert rpc(slots_and_path)[0][0] == "vllm"
