@@ -111,6 +111,8 @@ def specs_from_run_config(cfg) -> tuple[dict, LayoutSpec, TrainingSpec]:
         offload_train_state=m.param_offload and m.grad_offload and m.optimizer_offload,
         offload_parts=(m.param_offload, m.grad_offload, m.optimizer_offload),
         rollout_sleeps=arr.rollout.free_cache_engine,
+        rollout_keeps_weights_on_host=(lora is not None and lora.merge is False and arr.rollout.free_cache_engine
+                                       and layout.placement == "colocated"),
         rollout_gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
         rollout_weight_bytes=_DTYPE_BYTES.get(arr.rollout.dtype, 2),
         lora_rank=lora.rank if lora else 0,

@@ -71,6 +71,9 @@ class TrainingSpec:
     # megatron.{param,grad,optimizer}_offload); None: as offload_train_state says. Grads are dropped, not saved.
     offload_parts: tuple[bool, bool, bool] | None = None
     rollout_sleeps: bool = True  # colocated rollout engine frees weights + KV cache while training
+    # ... but copies its weights to the host first and back at wake-up (vLLM's sleep level 1): a served LoRA
+    # adapter (lora.merge=false) needs the base kept, since only the adapter comes with each sync
+    rollout_keeps_weights_on_host: bool = False
     rollout_max_num_seqs: int = 256  # sequences one rollout engine decodes at once
     rollout_gpu_memory_utilization: float = 0.85  # vLLM's fraction of the GPU for weights + KV cache
     rollout_weight_bytes: int = 2  # 2: bf16 rollout weights, 1: fp8

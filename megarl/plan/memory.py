@@ -13,8 +13,9 @@ Training state (Megatron DDP with fp32 grad buffers, Adam):
   host share plus what the rollout phase parks there (params, the GPU optimizer share; grads are dropped), per
   GPU of the node, plus each worker process's own resident memory (``host_process_overhead_gib``: torch's,
   CUDA's and megatron's libraries and the in-process rollout engine's; 2.9 GiB beyond the parked base in the 14B
-  LoRA run's worker at its first generation on the H100, docs/benchmarks.md); checked when ``host_memory_gib``
-  is given.
+  LoRA run's worker at its first generation on the H100, docs/benchmarks.md), plus, where the colocated engine
+  keeps its weights through sleep (a served LoRA adapter), its pinned copy of them
+  (:func:`rollout_weights_host_copy`); checked when ``host_memory_gib`` is given.
   Measured for this case: the 7B run on one H100 (docs/benchmarks.md, "7B on one GPU"): rollout, log-prob and
   update phases within 0.2-2.7% (tests/unit/plan/test_offloaded_optimizer_plan.py).
   Parameters on a GPU: TP-split weights / tp + replicated weights + routed experts /
@@ -73,6 +74,7 @@ optimizer step's transients beyond torch's foreach Adam's one fp32 tensor the si
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -348,6 +350,50 @@ def rollout_kv_bytes_per_token(dims: ModelDims, rollout_tp: int, kv_bytes: int) 
     return 2 * dims.num_layers * kv_heads * dims.head_dim * kv_bytes
 
 
+ROLLOUT_HOST_COPY = "rollout weights kept through sleep (pinned, each tensor rounded up to a power of two)"
+
+
+def pinned_copy_bytes(nbytes: float) -> float:
+    """Host memory one page-locked copy of a device tensor takes: CUDA's caching allocator gives a tensor of a
+    MiB or more a segment of its own in 2 MiB steps, and PyTorch's pinned host allocator rounds every request up
+    to a power of two (torch 2.11 on the GPU box: 2.12x resident growth over what was asked for a mix of sizes,
+    ``bench/pinned_host_probe.py``). Smaller tensors share segments: counted as they are."""
+    if nbytes < 2**20:
+        return nbytes
+    segment = math.ceil(nbytes / 2**21) * 2**21
+    return float(2 ** math.ceil(math.log2(segment)))
+
+
+def rollout_weights_host_copy(dims: ModelDims, params: ParamCount, rollout_tp: int, weight_bytes: int) -> float:
+    """Host memory of a sleeping rollout engine's copy of its weights (vLLM's sleep level 1 copies each weight
+    allocation into a pinned host tensor of its own), per GPU: the large tensors as vLLM lays them out (fused q/k/v
+    and gate/up, each MoE layer's experts as two tensors, embedding and head), each rounded by
+    :func:`pinned_copy_bytes`; the rest (norms, biases, routers) as it is. MLA attention counts its projections
+    as one tensor per layer, a lower bound of its rounding. Measured at 14B served LoRA on one H100: the worker
+    held 55.0 GB beyond the merged run's, this gives 52.6 GB (2026-12-08, docs/benchmarks.md)."""
+    h = dims.hidden_size
+    tensors: list[int] = [params.embedding] + ([params.output_head] if params.output_head else [])
+    for layer, counts in enumerate(params.per_layer):
+        if dims.mla is None:
+            q_width, kv_width = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+            tensors += [h * (q_width + 2 * kv_width), q_width * h]
+        else:
+            mlp = dims.moe.shared_expert_intermediate_size if dims.is_moe_layer(layer) else dims.intermediate_size
+            tensors.append(counts.tp_sharded - 3 * h * mlp)  # tp_sharded holds the dense / shared-expert MLP too
+        if dims.is_moe_layer(layer):
+            moe = dims.moe
+            tensors += [moe.num_experts * 2 * moe.expert_intermediate_size * h,
+                        moe.num_experts * moe.expert_intermediate_size * h]
+            if moe.shared_expert_intermediate_size:
+                tensors += [2 * moe.shared_expert_intermediate_size * h, moe.shared_expert_intermediate_size * h]
+        else:
+            tensors += [2 * dims.intermediate_size * h, dims.intermediate_size * h]
+    shard = weight_bytes / rollout_tp
+    large = sum(tensors) * shard
+    rest = max(params.total * shard - large, 0.0)
+    return sum(pinned_copy_bytes(count * shard) for count in tensors) + rest
+
+
 def _in_flight_units(layout: LayoutSpec, stage: int, num_micro_batches: int) -> float:
     """Stage-fractions of activations stage ``stage`` holds at its 1F1B peak."""
     pp, v = layout.parallel.pipeline_parallel, layout.parallel.virtual_pipeline_parallel or 1
@@ -588,12 +634,18 @@ def plan_layout(
     report.host = {name: value * gpus_per_node for name, value in worst_host.items() if value}
     report.host["worker processes (libraries, CUDA context, rollout engine)"] = (
         host_process_overhead_gib * GIB * gpus_per_node)
+    if layout.placement == "colocated" and training.rollout_keeps_weights_on_host:
+        report.host[ROLLOUT_HOST_COPY] = (
+            rollout_weights_host_copy(dims, params, layout.rollout_tp, training.rollout_weight_bytes)
+            * gpus_per_node)
     if host_memory_gib is not None and report.host_total > host_memory_gib * GIB:
         top = sorted(report.host.items(), key=lambda kv: -kv[1])
         errors.append(
             f"host memory: {report.host_total / GIB:.2f} GiB needed on a node of {gpus_per_node} GPU(s) but it has "
             f"{host_memory_gib:.2f} GiB (" + ", ".join(f"{n} {v / GIB:.2f} GiB" for n, v in top) + "): lower "
             "override_optimizer_config.optimizer_offload_fraction or offload fewer parts"
+            + ("; or lora.merge=true (the engine then drops its weights in sleep and gets merged ones at each sync)"
+               if ROLLOUT_HOST_COPY in report.host else "")
         )
     for phase in report.phases:
         if phase.total > gpu_bytes:
