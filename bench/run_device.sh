@@ -127,13 +127,17 @@ elif [ "$MODE" = pinned ]; then  # host memory of page-locked copies: torch's ro
 elif [ "$MODE" = gen ]; then  # plain vLLM's generation at $MODELS (default 7b; 30b-a3b cut to $LAYERS) per $QUANT
   for model in $(echo "${MODELS:-7b}" | tr , ' '); do
     LAYER_ARGS=""; [ "$model" = 30b-a3b ] && LAYER_ARGS="--layers ${LAYERS:-8}"
-    for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do  # fp8kv: FP8 weights and an FP8 KV cache
+    # fp8kv: FP8 weights and an FP8 KV cache; fp8marlin: FP8 weights with bf16 activations (vLLM's Marlin kernel,
+    # weight-only: no activation quantization per linear, for decode that reads weights more than it computes)
+    for quant in $(echo "${QUANT:-bf16,fp8}" | tr , ' '); do
+      KERNEL_ENV=""
       case $quant in
         bf16) QUANT_ARG="" ;;
         fp8kv) QUANT_ARG="--quantization fp8 --kv-cache-dtype fp8" ;;
+        fp8marlin) QUANT_ARG="--quantization fp8"; KERNEL_ENV="VLLM_TEST_FORCE_FP8_MARLIN=1" ;;
         *) QUANT_ARG="--quantization $quant" ;;
       esac
-      step "gen_${model}_$quant" timeout "${GEN_TIMEOUT:-400}" python3 -m bench.e2e_grpo --shape "$model" $LAYER_ARGS \
+      step "gen_${model}_$quant" env $KERNEL_ENV timeout "${GEN_TIMEOUT:-400}" python3 -m bench.e2e_grpo --shape "$model" $LAYER_ARGS \
         --random-init --gen-only $QUANT_ARG \
         --prompts "${PROMPTS:-16}" --n 8 --prompt-len "${PROMPT_LEN:-256}" --response-len "${RESPONSE_LEN:-512}" \
         --gpu-memory-utilization "${UTIL:-0.85}" --out "$OUT/gen_${model}_$quant.json"
