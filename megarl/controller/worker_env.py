@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+import torch
 import torch.distributed as dist
 
 ENV_GROUP_NAME = "MEGARL_GROUP_NAME"
@@ -78,8 +79,6 @@ def init_torch_distributed(*, backend: str | None = None, timeout_s: float = 600
     `WorkerGroup.call` is the outer guard.
     """
     from megarl.engines.megatron.parallel import init_distributed
-
-    import torch
 
     ctx = read_worker_context()
     torch.set_num_threads(intra_op_threads(ctx.device, ctx.local_world_size, len(os.sched_getaffinity(0)),

@@ -199,11 +199,10 @@ def lora_rank_slot(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {_LORA_RANK_SLOTS[-1]}")
 
 
-def add_lora_from_tensors(worker_lora_manager, lora_id: int, tensors: dict, config: dict, *,
-                          clone: bool = True) -> None:
+def add_lora_from_tensors(worker_lora_manager, lora_id: int, tensors: dict, config: dict) -> dict:
     """Make adapter ``lora_id`` of a vLLM worker the one in ``tensors`` (PEFT names; replaces it if loaded).
-    A request naming ``lora_id`` then finds it loaded and vLLM never reads its path. ``clone=False``: vLLM may
-    keep and scale the given tensors (the caller made them for it)."""
+    A request naming ``lora_id`` then finds it loaded and vLLM never reads its path. Returns the copies of
+    ``tensors`` handed to vLLM (by name), which it may keep in its LoRA layers."""
     from vllm.lora.peft_helper import PEFTHelper
 
     try:
@@ -216,8 +215,7 @@ def add_lora_from_tensors(worker_lora_manager, lora_id: int, tensors: dict, conf
         gpu_sync_allowed = contextlib.nullcontext
     # vLLM folds the scaling into lora_B in place (LoRALayerWeights.optimize) and keeps a tensor it was handed
     # when no dtype or device conversion is needed: the caller's tensors must not be those
-    if clone:
-        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    tensors = {name: tensor.clone() for name, tensor in tensors.items()}
     peft_helper = PEFTHelper.from_dict(dict(config))
     peft_helper.validate_legal(worker_lora_manager.lora_config)
     manager = worker_lora_manager._adapter_manager
@@ -236,6 +234,7 @@ def add_lora_from_tensors(worker_lora_manager, lora_id: int, tensors: dict, conf
         manager.remove_adapter(lora_id)
         manager.add_adapter(lora)
         manager.activate_adapter(lora_id)
+    return tensors
 
 
 class ServedAdapter:
@@ -275,10 +274,7 @@ class ServedAdapter:
                     torch._foreach_zero_(empty_slots)
             self.last_path = "in_place"
             return
-        # vLLM folds the scaling into lora_B in place (LoRALayerWeights.optimize) and keeps a tensor it was handed
-        # when no dtype or device conversion is needed: the caller's tensors must not be those
-        handed = {name: tensor.clone() for name, tensor in tensors.items()}
-        add_lora_from_tensors(worker_lora_manager, lora_id, handed, config, clone=False)
+        handed = add_lora_from_tensors(worker_lora_manager, lora_id, tensors, config)
         self._key, self._plan = key, self._find_slots(worker_lora_manager, lora_id, handed, config)
         self.last_path = "vllm"
 
